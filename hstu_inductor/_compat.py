@@ -1,0 +1,47 @@
+"""The one place that touches private torch APIs (torch 2.11 .. 2.13 differences live here)."""
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+__all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options"]
+
+
+def graph_fake_mode(gm: torch.fx.GraphModule):
+    """The fake mode that produced a Dynamo graph's placeholder example values (None if none)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
+            return val.fake_mode
+    return None
+
+
+def placeholder_values(gm: torch.fx.GraphModule) -> list:
+    """Fake tensors / SymInts recorded on the placeholders (Dynamo: example_value, export: val)."""
+    return [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def trace_aten(fn, args, **_ignored) -> torch.fx.GraphModule:
+    """Trace ``fn(*args)`` to an ATen-level FX graph below autograd (CompositeImplicit ops
+    decomposed, no further decompositions). Used for user graphs and search patterns alike, so
+    both are spelled the same way. ``args`` may be fake tensors/SymInts of an existing fake mode.
+    Accepts and ignores extra keywords (2.13's ``get_decomp_fn``) so it can serve as a pattern
+    matcher ``trace_fn``.
+    """
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with enable_python_dispatcher():
+        return make_fx(fn, tracing_mode="real")(*args)
+
+
+def compile_fx(gm, example_inputs, config_patches=None):
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(gm, example_inputs, config_patches=config_patches or {})
+
+
+def mode_options(mode: str | None) -> dict:
+    """Inductor config patches for a ``torch.compile(mode=...)`` string."""
+    if mode in (None, "default"):
+        return {}
+    return dict(torch._inductor.list_mode_options(mode))

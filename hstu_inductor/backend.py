@@ -1,0 +1,44 @@
+"""The ``"hstu"`` torch.compile backend: Inductor with the HSTU rewrites applied first.
+
+``torch.compile(model, backend="hstu")`` finds this through the ``torch_dynamo_backends`` entry
+point, so no import of ``hstu_inductor`` is needed. Flow per Dynamo graph:
+
+1. retrace the torch-level graph to ATen under Dynamo's fake mode (symbolic sizes kept);
+2. run the rewriters (``patterns``), which replace proven HSTU subgraphs by ``torch.ops.hstu.*``;
+3. hand the rewritten graph (or, if nothing was rewritten, the original one) to ``compile_fx``.
+
+Because the hstu ops are in the graph Inductor receives, Inductor's FX graph cache keys them
+like any other op; AOTAutograd differentiates through their registered autograd.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import _compat, config
+
+log = logging.getLogger("hstu_inductor")
+
+__all__ = ["hstu_backend"]
+
+
+def hstu_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+    """Dynamo backend entry: ``fn(gm, example_inputs, **kw)``; accepts ``mode=`` and ``options=``."""
+    config.validate()
+    from . import ops  # noqa: F401  (register torch.ops.hstu.*)
+    from .patterns import rewrite_dynamo_graph
+
+    rewritten = rewrite_dynamo_graph(gm)
+    if rewritten is not None:
+        log.debug("hstu_inductor: rewritten graph\n%s", rewritten.code)
+    patches = {**_compat.mode_options(mode), **(options or {})}
+    return _compat.compile_fx(rewritten if rewritten is not None else gm, example_inputs, patches)
+
+
+def register() -> None:
+    """Register ``"hstu"`` with Dynamo (idempotent; the entry point does this for installed copies)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "hstu" not in _BACKENDS:
+        register_backend(hstu_backend, name="hstu")

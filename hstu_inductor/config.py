@@ -1,0 +1,62 @@
+"""User-facing options of hstu_inductor. Change them as module attributes or with :func:`patch`.
+
+    import hstu_inductor
+    hstu_inductor.config.tma = "off"
+    with hstu_inductor.config.patch(patterns={"attention": False}):
+        ...
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+#: TMA (tensor-descriptor) kernel variants: "auto" (on for sm90+), "on" (error if unsupported), "off".
+tma: str = os.environ.get("HSTU_INDUCTOR_TMA", "auto")
+
+#: Which subgraph kinds the backend rewrites.
+patterns: dict[str, bool] = {"attention": True, "preprocess": True, "output": True}
+
+#: Use the Triton kernels for CUDA tensors ("auto": when triton imports); "off" runs the reference.
+kernels: str = os.environ.get("HSTU_INDUCTOR_KERNELS", "auto")
+
+#: Deterministic attention backward (no atomics); slower.
+deterministic: bool = os.environ.get("HSTU_INDUCTOR_DETERMINISTIC", "0") == "1"
+
+#: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
+strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"
+
+_VALID = {"tma": ("auto", "on", "off"), "kernels": ("auto", "off")}
+
+
+def validate() -> None:
+    """Raise ValueError for an option outside its documented values."""
+    g = globals()
+    for name, allowed in _VALID.items():
+        if g[name] not in allowed:
+            raise ValueError(f"hstu_inductor.config.{name}={g[name]!r}; expected one of {allowed}")
+    unknown = set(patterns) - {"attention", "preprocess", "output"}
+    if unknown:
+        raise ValueError(f"hstu_inductor.config.patterns has unknown kinds {sorted(unknown)}")
+
+
+def snapshot() -> dict:
+    """The current options, e.g. for cache keys and reports."""
+    return {"tma": tma, "patterns": dict(patterns), "kernels": kernels, "deterministic": deterministic,
+            "strict": strict}
+
+
+@contextlib.contextmanager
+def patch(**changes):
+    """Temporarily set options; ``patterns`` may be a partial dict."""
+    g = globals()
+    old = snapshot()
+    try:
+        for key, value in changes.items():
+            if key not in old:
+                raise AttributeError(f"hstu_inductor.config has no option {key!r}")
+            g[key] = {**g[key], **value} if key == "patterns" else value
+        validate()
+        yield
+    finally:
+        for key, value in old.items():
+            g[key] = value

@@ -1,0 +1,1011 @@
+"""Triton kernels for jagged HSTU attention (forward, backward, cached/delta forward).
+
+Math (HSTU_SEMANTICS.md): ``out_i = s_i * sum_j valid(i, j) * silu(alpha * <q_i, k_j>) * v_j`` per head,
+with no softmax. ``valid`` is built on ids ``pi(p)`` (contextual prefix collapsed to id 0, all targets
+sharing id ``M``); see :func:`_valid` for the element-wise mask and :func:`_fwd_key_range` /
+:func:`_bwd_query_range` for the conservative block-skipping bounds derived from it.
+
+Layout: ``q, k: [L, H, Dq]``, ``v: [L, H, Dv]`` jagged by ``seq_offsets: [B+1]`` and addressed with
+their real strides (they are often views of a fused projection). Every program handles one
+``(sequence, head, row block)``.
+
+Two memory paths, chosen by ``tma``:
+  * pointer loads (any strides, any GPU, the Triton interpreter);
+  * device-side tensor descriptors (``tl.make_tensor_descriptor``, TMA on sm90+), one descriptor
+    per (sequence, head) whose shape ends at the sequence's last row: loads past it are zero-filled
+    by the hardware and stores past it are dropped, so no row masks are needed.
+
+Backward: one program per key block keeps dK/dV in registers and walks the query blocks that can
+see it. dQ is either accumulated with fp32 atomics (TMA bulk reduce on sm90, pointer atomics
+otherwise) into an fp32 buffer and cast once at the end, or, with ``deterministic=True``, computed
+by a second kernel that walks key blocks per query block (no atomics, bitwise repeatable).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "hstu_attention_fwd",
+    "hstu_attention_bwd",
+    "delta_hstu_attention_fwd",
+    "tma_supported",
+]
+
+_LOG2E = 1.4426950408889634
+
+
+def _interpret() -> bool:
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except Exception:  # pragma: no cover - older triton
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------
+# Element-wise helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ids(p, c, M, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr):
+    """pi(p): contextual prefix -> id 0, targets -> id M (M already holds the target shift)."""
+    if HAS_CTX:
+        x = tl.maximum(p - c + 1, 0)
+    else:
+        x = p
+    if HAS_TGT:
+        x = tl.minimum(x, M)
+    return x
+
+
+@triton.jit
+def _valid(i, j, pi_i, pi_j, n, M, w, f, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
+           HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr):
+    """valid(i, j) for raw positions i (queries) and j (keys) of one sequence of length n."""
+    ok = (i < n) & (j < n) & (i >= 0)
+    if CAUSAL:
+        d = pi_i - pi_j
+        v = (i == j) | (d > 0)
+        if HAS_WINDOW:
+            win = d <= w
+            if HAS_MINFULL:
+                win = win | (pi_i >= M - f)
+            v = v & win
+        if HAS_CTX:
+            v = v | ((pi_i == 0) & (pi_j < M))
+        ok = ok & v
+    return ok
+
+
+@triton.jit
+def _tanh_approx(x):
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _silu(s, alpha, FAST: tl.constexpr):
+    """silu(alpha * s). FAST: 0.5x(1 + tanh(0.5x)) with one MUFU op (16-bit inputs on GPU only)."""
+    if FAST:
+        hx = s * (0.5 * alpha)
+        return hx + hx * _tanh_approx(hx)
+    else:
+        x = s * alpha
+        return x / (1.0 + tl.exp2(x * -1.4426950408889634))
+
+
+@triton.jit
+def _silu_and_grad(s, alpha, FAST: tl.constexpr):
+    """(silu(x), silu'(x)) for x = alpha * s; silu'(x) = sig(x) * (1 + x * (1 - sig(x)))."""
+    if FAST:
+        hx = s * (0.5 * alpha)
+        t = _tanh_approx(hx)
+        sig = 0.5 + 0.5 * t
+        y = hx + hx * t
+    else:
+        x = s * alpha
+        sig = 1.0 / (1.0 + tl.exp2(x * -1.4426950408889634))
+        y = x * sig
+    return y, sig + y * (1.0 - sig)
+
+
+# --------------------------------------------------------------------------------------------
+# Block-skipping bounds (conservative; the element-wise mask is exact inside masked blocks)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_key_range(m_first, m_last, n, M, c, w, f, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_MINFULL: tl.constexpr):
+    """Key ranges for the query rows [m_first, m_last] (raw positions).
+
+    Returns (a, fs, fe, e), multiples of BLOCK_N: keys in [a, fs) and [fe, e) need the mask, keys in
+    [fs, fe) are valid for every query row of the block, keys outside [a, e) are invalid for all.
+    """
+    if CAUSAL:
+        if HAS_CTX:
+            c1 = c - 1
+        else:
+            c1 = 0
+        P = _ids(m_first, c, M, HAS_CTX, HAS_TGT)
+        Pmax = _ids(m_last, c, M, HAS_CTX, HAS_TGT)
+        hi = m_last + 1  # causal: j <= i
+        lo = m_last * 0
+        full_lo = m_last * 0
+        if HAS_WINDOW:
+            # valid j needs pi(j) >= pi(i) - w >= P - w, and pi(j) <= max(j - c1, 0)
+            lo = tl.where(P - w > 0, P - w + c1, 0)
+            qw = Pmax - w
+            full_lo = tl.where(qw > 0, qw + c1, 0)
+            if HAS_MINFULL:  # rows with pi >= M - f ignore the window
+                lo = tl.where(Pmax >= M - f, 0, lo)
+                full_lo = tl.where(P >= M - f, 0, full_lo)
+        # every j with pi(j) < P is strictly before every row of the block (d > 0)
+        full_hi = tl.where(P > 0, P + c1, 0)
+        if HAS_CTX:  # contextual rows (pi == 0) see the whole non-target history
+            is_ctx = P == 0
+            lo = tl.where(is_ctx, 0, lo)
+            hi = tl.where(is_ctx, n, hi)
+    else:
+        lo = n * 0
+        hi = n
+        full_lo = n * 0
+        full_hi = n
+    a = lo // BLOCK_N
+    e = (hi + BLOCK_N - 1) // BLOCK_N
+    fs = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, a), e)
+    fe = tl.minimum(tl.maximum(full_hi // BLOCK_N, fs), e)
+    return a * BLOCK_N, fs * BLOCK_N, fe * BLOCK_N, e * BLOCK_N
+
+
+@triton.jit
+def _bwd_query_range(n0, n, M, c, w, f, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     HAS_MINFULL: tl.constexpr):
+    """Query ranges that can see the key rows [n0, n0 + BLOCK_N) (raw positions).
+
+    Returns (cb, qa, qf, qe, qz), multiples of BLOCK_M: rows [0, cb) (contextual prefix) and
+    [qa, qf), [qe, qz) need the mask; rows [qf, qe) see every key of the block.
+    """
+    if CAUSAL:
+        if HAS_CTX:
+            c1 = c - 1
+            cb = (c + BLOCK_M - 1) // BLOCK_M
+        else:
+            c1 = 0
+            cb = n * 0
+        j_last = tl.minimum(n0 + BLOCK_N, n) - 1
+        qhi = n
+        if HAS_WINDOW:
+            if not HAS_MINFULL:
+                x = _ids(j_last, c, M, HAS_CTX, HAS_TGT) + w  # rows need pi(i) <= pi(j_last) + w
+                qhi = tl.minimum(n, x + c1 + 1)
+                if HAS_TGT:
+                    qhi = tl.where(x >= M, n, qhi)
+        qa = tl.maximum(n0 // BLOCK_M, cb)
+        qz = (qhi + BLOCK_M - 1) // BLOCK_M
+        # full rows: pi(i) >= max(n0 + BLOCK_N - c1, 1) (keys strictly earlier), rows complete
+        qf = (tl.maximum(n0 + BLOCK_N, c1 + 1) + BLOCK_M - 1) // BLOCK_M
+        qe = n // BLOCK_M
+        if HAS_TGT:
+            qe = tl.where(n0 + BLOCK_N - c1 > M, qf, qe)
+        if HAS_WINDOW:
+            if HAS_MINFULL:
+                qe = qf
+            else:
+                y = _ids(n0, c, M, HAS_CTX, HAS_TGT) + w  # whole block in window: pi(last row) <= y
+                qe_w = (y + c1 + 1) // BLOCK_M
+                if HAS_TGT:
+                    qe_w = tl.where(y >= M, qe, qe_w)
+                qe = tl.minimum(qe, qe_w)
+        qe = tl.where(n0 + BLOCK_N > n, qf, qe)
+    else:
+        cb = n * 0
+        qa = n * 0
+        qz = (n + BLOCK_M - 1) // BLOCK_M
+        qf = n * 0
+        qe = tl.where(n0 + BLOCK_N <= n, n // BLOCK_M, 0)
+    qf = tl.minimum(tl.maximum(qf, qa), qz)
+    qe = tl.minimum(tl.maximum(qe, qf), qz)
+    return cb * BLOCK_M, qa * BLOCK_M, qf * BLOCK_M, qe * BLOCK_M, qz * BLOCK_M
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
+               n, M, c, w, f, alpha, DQ, DV,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
+               PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_dq = tl.arange(0, BLOCK_DQ)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if TMA:
+            k = K_src.load([start_n, 0])
+            v = V_src.load([start_n, 0])
+        else:
+            k_ptrs = K_src + offs_n[:, None].to(tl.int64) * stride_km + offs_dq[None, :] * stride_kd
+            v_ptrs = V_src + offs_n[:, None].to(tl.int64) * stride_vm + offs_dv[None, :] * stride_vd
+            if MASKED:
+                k = tl.load(k_ptrs, mask=(offs_n[:, None] < n) & (offs_dq[None, :] < DQ), other=0.0)
+                v = tl.load(v_ptrs, mask=(offs_n[:, None] < n) & (offs_dv[None, :] < DV), other=0.0)
+            else:  # full blocks lie inside the sequence
+                if EVEN_DQ:
+                    k = tl.load(k_ptrs)
+                else:
+                    k = tl.load(k_ptrs, mask=offs_dq[None, :] < DQ, other=0.0)
+                if EVEN_DV:
+                    v = tl.load(v_ptrs)
+                else:
+                    v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        p = _silu(s, alpha, FAST)
+        if MASKED:
+            pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
+            ok = _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL,
+                        HAS_CTX, HAS_WINDOW, HAS_MINFULL)
+            p = tl.where(ok, p, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _hstu_fwd_kernel(
+    Q, K, V, O, SEQ_OFFSETS, NUM_TARGETS, ATTN_SCALE,
+    stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
+    stride_om, stride_oh, stride_od, stride_sm,
+    alpha, scale_const,
+    H, DQ, DV, DELTA_ROWS, CTX, WINDOW, MINFULL, N_BUCKET,
+    CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, DELTA: tl.constexpr, TMA: tl.constexpr,
+    FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
+    BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    # heaviest row blocks (largest start row under a causal mask) are launched first
+    m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
+    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
+    n = (tl.load(SEQ_OFFSETS + b + 1).to(tl.int64) - start).to(tl.int32)
+    if DELTA:
+        nq = n * 0 + DELTA_ROWS
+        pos0 = n - DELTA_ROWS
+        q_row0 = b.to(tl.int64) * DELTA_ROWS
+    else:
+        nq = n
+        pos0 = n * 0
+        q_row0 = start
+    r0 = m_blk * BLOCK_M
+    if r0 >= nq:
+        return
+
+    if HAS_CTX:
+        M = n - CTX + 1
+    else:
+        M = n
+    if HAS_TGT:
+        M = M - tl.load(NUM_TARGETS + b).to(tl.int32)
+
+    offs_r = r0 + tl.arange(0, BLOCK_M)
+    offs_dq = tl.arange(0, BLOCK_DQ)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    pos_m = pos0 + offs_r
+    pi_m = _ids(pos_m, CTX, M, HAS_CTX, HAS_TGT)
+
+    q_base = Q + q_row0 * stride_qm + h * stride_qh
+    k_base = K + start * stride_km + h * stride_kh
+    v_base = V + start * stride_vm + h * stride_vh
+    if TMA:
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[nq, DQ], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DQ])
+        K_src = tl.make_tensor_descriptor(k_base, shape=[n, DQ], strides=[stride_km, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DQ])
+        V_src = tl.make_tensor_descriptor(v_base, shape=[n, DV], strides=[stride_vm, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+        q = q_desc.load([r0, 0])
+    else:
+        K_src = k_base
+        V_src = v_base
+        q = tl.load(q_base + offs_r[:, None].to(tl.int64) * stride_qm + offs_dq[None, :] * stride_qd,
+                    mask=(offs_r[:, None] < nq) & (offs_dq[None, :] < DQ), other=0.0)
+    if DELTA:  # query rows before the sequence start (n_b < D) contribute nothing
+        q = tl.where((pos_m >= 0)[:, None], q, tl.zeros_like(q))
+
+    m_first = tl.maximum(pos0 + r0, 0)
+    m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
+    a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
+                                  HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, pos_m, pi_m,
+                     n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                     HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
+    acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, pos_m, pi_m,
+                     n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                     HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
+    acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, pos_m, pi_m,
+                     n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                     HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
+
+    if SCALE_MODE == 0:
+        acc = acc * scale_const
+    elif SCALE_MODE == 1:
+        acc = acc * tl.load(ATTN_SCALE).to(tl.float32)
+    else:
+        sc = tl.load(ATTN_SCALE + (q_row0 + offs_r) * stride_sm, mask=offs_r < nq, other=0.0).to(tl.float32)
+        acc = acc * sc[:, None]
+    out = acc.to(O.dtype.element_ty)
+    o_base = O + q_row0 * stride_om + h * stride_oh
+    if TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[nq, DV], strides=[stride_om, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DV])
+        o_desc.store([r0, 0], out)
+    else:
+        tl.store(o_base + offs_r[:, None].to(tl.int64) * stride_om + offs_dv[None, :] * stride_od, out,
+                 mask=(offs_r[:, None] < nq) & (offs_dv[None, :] < DV))
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dK, dV (+ dQ through atomics)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
+                    stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
+                    TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
+                    EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr):
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_dq = tl.arange(0, BLOCK_DQ)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        if TMA:
+            q = Q_src.load([start_m, 0])
+            do = DO_src.load([start_m, 0])
+        else:
+            q_ptrs = Q_src + offs_m[:, None].to(tl.int64) * stride_qm + offs_dq[None, :] * stride_qd
+            do_ptrs = DO_src + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :] * stride_dod
+            if MASKED:
+                q = tl.load(q_ptrs, mask=(offs_m[:, None] < n) & (offs_dq[None, :] < DQ), other=0.0)
+                do = tl.load(do_ptrs, mask=(offs_m[:, None] < n) & (offs_dv[None, :] < DV), other=0.0)
+            else:
+                if EVEN_DQ:
+                    q = tl.load(q_ptrs)
+                else:
+                    q = tl.load(q_ptrs, mask=offs_dq[None, :] < DQ, other=0.0)
+                if EVEN_DV:
+                    do = tl.load(do_ptrs)
+                else:
+                    do = tl.load(do_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        if SCALE_MODE == 2:
+            sc = tl.load(S_base + offs_m * stride_sm, mask=offs_m < n, other=0.0).to(tl.float32)
+            do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
+        p_t, dsilu_t = _silu_and_grad(s_t, alpha, FAST)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        ds_t = dp_t * dsilu_t
+        if MASKED:
+            pi_m = _ids(offs_m, c, M, HAS_CTX, HAS_TGT)
+            ok = _valid(offs_m[None, :], offs_n[:, None], pi_m[None, :], pi_n[:, None], n, M, w, f, CAUSAL,
+                        HAS_CTX, HAS_WINDOW, HAS_MINFULL)
+            p_t = tl.where(ok, p_t, 0.0)
+            ds_t = tl.where(ok, ds_t, 0.0)
+        dv = tl.dot(p_t.to(q.dtype), do, dv, input_precision=PREC)
+        ds16 = ds_t.to(q.dtype)
+        dk = tl.dot(ds16, q, dk, input_precision=PREC)
+        if DQ_MODE == 1:
+            dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
+            tl.atomic_add(DQ_dst + offs_m[:, None].to(tl.int64) * stride_dqm + offs_dq[None, :], dq,
+                          mask=(offs_m[:, None] < n) & (offs_dq[None, :] < DQ), sem="relaxed")
+        elif DQ_MODE == 2:
+            dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
+            DQ_dst.atomic_add([start_m, 0], dq)
+    return dk, dv
+
+
+@triton.jit
+def _hstu_bwd_dkdv_kernel(
+    Q, K, V, DO, DQA, DK, DVo, SEQ_OFFSETS, NUM_TARGETS, ATTN_SCALE,
+    stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
+    stride_dom, stride_doh, stride_dod, stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+    stride_sm,
+    alpha, scale_const,
+    H, DQ, DV, CTX, WINDOW, MINFULL, N_BUCKET,
+    CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr,
+    FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
+    BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    n_blk = tl.program_id(1)  # early key blocks are seen by the most query rows: launched first
+    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
+    n = (tl.load(SEQ_OFFSETS + b + 1).to(tl.int64) - start).to(tl.int32)
+    n0 = n_blk * BLOCK_N
+    if n0 >= n:
+        return
+    if HAS_CTX:
+        M = n - CTX + 1
+    else:
+        M = n
+    if HAS_TGT:
+        M = M - tl.load(NUM_TARGETS + b).to(tl.int32)
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_dq = tl.arange(0, BLOCK_DQ)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    pi_n = _ids(offs_n, CTX, M, HAS_CTX, HAS_TGT)
+
+    q_base = Q + start * stride_qm + h * stride_qh
+    k_base = K + start * stride_km + h * stride_kh
+    v_base = V + start * stride_vm + h * stride_vh
+    do_base = DO + start * stride_dom + h * stride_doh
+    dk_base = DK + start * stride_dkm + h * stride_dkh
+    dv_base = DVo + start * stride_dvm + h * stride_dvh
+    if DQ_MODE != 0:
+        dq_base = DQA + start * stride_dqm + h * stride_dqh
+    else:
+        dq_base = DQA
+    if SCALE_MODE == 2:
+        s_base = ATTN_SCALE + start * stride_sm
+    else:
+        s_base = ATTN_SCALE
+
+    if TMA:
+        Q_src = tl.make_tensor_descriptor(q_base, shape=[n, DQ], strides=[stride_qm, 1],
+                                          block_shape=[BLOCK_M, BLOCK_DQ])
+        DO_src = tl.make_tensor_descriptor(do_base, shape=[n, DV], strides=[stride_dom, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DV])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[n, DQ], strides=[stride_km, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DQ])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[n, DV], strides=[stride_vm, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+        k = k_desc.load([n0, 0])
+        v = v_desc.load([n0, 0])
+    else:
+        Q_src = q_base
+        DO_src = do_base
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_km + offs_dq[None, :] * stride_kd,
+                    mask=(offs_n[:, None] < n) & (offs_dq[None, :] < DQ), other=0.0)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vm + offs_dv[None, :] * stride_vd,
+                    mask=(offs_n[:, None] < n) & (offs_dv[None, :] < DV), other=0.0)
+    if DQ_MODE == 2:
+        DQ_dst = tl.make_tensor_descriptor(dq_base, shape=[n, DQ], strides=[stride_dqm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DQ])
+    else:
+        DQ_dst = dq_base
+
+    cb, qa, qf, qe, qz = _bwd_query_range(n0, n, M, CTX, WINDOW, MINFULL, BLOCK_M, BLOCK_N, CAUSAL, HAS_CTX,
+                                          HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    if HAS_CTX:
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
+                                 stride_dod, stride_dqm, stride_sm, 0, cb, offs_n, pi_n, n, M, CTX, WINDOW,
+                                 MINFULL, alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL,
+                                 SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ,
+                                 BLOCK_DV)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
+                             stride_dod, stride_dqm, stride_sm, qa, qf, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
+                             alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE,
+                             TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
+                             stride_dod, stride_dqm, stride_sm, qf, qe, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
+                             alpha, DQ, DV, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE,
+                             TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
+                             stride_dod, stride_dqm, stride_sm, qe, qz, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
+                             alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE,
+                             TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV)
+
+    if SCALE_MODE == 0:
+        sc = scale_const
+    elif SCALE_MODE == 1:
+        sc = tl.load(ATTN_SCALE).to(tl.float32)
+    else:
+        sc = 1.0
+    dk = (dk * (alpha * sc)).to(DK.dtype.element_ty)
+    dv = (dv * sc).to(DVo.dtype.element_ty)
+    if TMA:
+        dk_desc = tl.make_tensor_descriptor(dk_base, shape=[n, DQ], strides=[stride_dkm, 1],
+                                            block_shape=[BLOCK_N, BLOCK_DQ])
+        dv_desc = tl.make_tensor_descriptor(dv_base, shape=[n, DV], strides=[stride_dvm, 1],
+                                            block_shape=[BLOCK_N, BLOCK_DV])
+        dk_desc.store([n0, 0], dk)
+        dv_desc.store([n0, 0], dv)
+    else:
+        tl.store(dk_base + offs_n[:, None].to(tl.int64) * stride_dkm + offs_dq[None, :], dk,
+                 mask=(offs_n[:, None] < n) & (offs_dq[None, :] < DQ))
+        tl.store(dv_base + offs_n[:, None].to(tl.int64) * stride_dvm + offs_dv[None, :], dv,
+                 mask=(offs_n[:, None] < n) & (offs_dv[None, :] < DV))
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: deterministic dQ (one program per query block, walks key blocks, no atomics)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
+                  n, M, c, w, f, alpha, DQ, DV,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
+                  PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_dq = tl.arange(0, BLOCK_DQ)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if TMA:
+            k = K_src.load([start_n, 0])
+            v = V_src.load([start_n, 0])
+        else:
+            k_ptrs = K_src + offs_n[:, None].to(tl.int64) * stride_km + offs_dq[None, :] * stride_kd
+            v_ptrs = V_src + offs_n[:, None].to(tl.int64) * stride_vm + offs_dv[None, :] * stride_vd
+            if MASKED:
+                k = tl.load(k_ptrs, mask=(offs_n[:, None] < n) & (offs_dq[None, :] < DQ), other=0.0)
+                v = tl.load(v_ptrs, mask=(offs_n[:, None] < n) & (offs_dv[None, :] < DV), other=0.0)
+            else:
+                if EVEN_DQ:
+                    k = tl.load(k_ptrs)
+                else:
+                    k = tl.load(k_ptrs, mask=offs_dq[None, :] < DQ, other=0.0)
+                if EVEN_DV:
+                    v = tl.load(v_ptrs)
+                else:
+                    v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        _, dsilu = _silu_and_grad(s, alpha, FAST)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = dp * dsilu
+        if MASKED:
+            pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
+            ok = _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL,
+                        HAS_CTX, HAS_WINDOW, HAS_MINFULL)
+            ds = tl.where(ok, ds, 0.0)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _hstu_bwd_dq_kernel(
+    Q, K, V, DO, DQo, SEQ_OFFSETS, NUM_TARGETS, ATTN_SCALE,
+    stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
+    stride_dom, stride_doh, stride_dod, stride_dqm, stride_dqh, stride_sm,
+    alpha, scale_const,
+    H, DQ, DV, CTX, WINDOW, MINFULL, N_BUCKET,
+    CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr,
+    FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
+    BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
+    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
+    n = (tl.load(SEQ_OFFSETS + b + 1).to(tl.int64) - start).to(tl.int32)
+    r0 = m_blk * BLOCK_M
+    if r0 >= n:
+        return
+    if HAS_CTX:
+        M = n - CTX + 1
+    else:
+        M = n
+    if HAS_TGT:
+        M = M - tl.load(NUM_TARGETS + b).to(tl.int32)
+    offs_r = r0 + tl.arange(0, BLOCK_M)
+    offs_dq = tl.arange(0, BLOCK_DQ)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    pi_m = _ids(offs_r, CTX, M, HAS_CTX, HAS_TGT)
+
+    q_base = Q + start * stride_qm + h * stride_qh
+    k_base = K + start * stride_km + h * stride_kh
+    v_base = V + start * stride_vm + h * stride_vh
+    do_base = DO + start * stride_dom + h * stride_doh
+    if TMA:
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[n, DQ], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DQ])
+        do_desc = tl.make_tensor_descriptor(do_base, shape=[n, DV], strides=[stride_dom, 1],
+                                            block_shape=[BLOCK_M, BLOCK_DV])
+        K_src = tl.make_tensor_descriptor(k_base, shape=[n, DQ], strides=[stride_km, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DQ])
+        V_src = tl.make_tensor_descriptor(v_base, shape=[n, DV], strides=[stride_vm, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+        q = q_desc.load([r0, 0])
+        do = do_desc.load([r0, 0])
+    else:
+        K_src = k_base
+        V_src = v_base
+        q = tl.load(q_base + offs_r[:, None].to(tl.int64) * stride_qm + offs_dq[None, :] * stride_qd,
+                    mask=(offs_r[:, None] < n) & (offs_dq[None, :] < DQ), other=0.0)
+        do = tl.load(do_base + offs_r[:, None].to(tl.int64) * stride_dom + offs_dv[None, :] * stride_dod,
+                     mask=(offs_r[:, None] < n) & (offs_dv[None, :] < DV), other=0.0)
+    if SCALE_MODE == 2:
+        sc_rows = tl.load(ATTN_SCALE + (start + offs_r) * stride_sm, mask=offs_r < n, other=0.0).to(tl.float32)
+        do = (do.to(tl.float32) * sc_rows[:, None]).to(q.dtype)
+
+    m_last = tl.minimum(r0 + BLOCK_M, n) - 1
+    a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
+                                  HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+    dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32)
+    dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, offs_r, pi_m,
+                       n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                       HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
+    dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, offs_r, pi_m,
+                       n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                       HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
+    dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, offs_r, pi_m,
+                       n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                       HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
+    if SCALE_MODE == 0:
+        sc = scale_const
+    elif SCALE_MODE == 1:
+        sc = tl.load(ATTN_SCALE).to(tl.float32)
+    else:
+        sc = 1.0
+    out = (dq * (alpha * sc)).to(DQo.dtype.element_ty)
+    dq_base = DQo + start * stride_dqm + h * stride_dqh
+    if TMA:
+        dq_desc = tl.make_tensor_descriptor(dq_base, shape=[n, DQ], strides=[stride_dqm, 1],
+                                            block_shape=[BLOCK_M, BLOCK_DQ])
+        dq_desc.store([r0, 0], out)
+    else:
+        tl.store(dq_base + offs_r[:, None].to(tl.int64) * stride_dqm + offs_dq[None, :], out,
+                 mask=(offs_r[:, None] < n) & (offs_dq[None, :] < DQ))
+
+
+@triton.jit
+def _dq_finalize_kernel(DQA, DQo, ATTN_SCALE, numel, factor, SCALE_MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """dq = dq_acc * factor (* attn_scale when it is a 0-d tensor), cast to the output dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(DQA + offs, mask=mask, other=0.0) * factor
+    if SCALE_MODE == 1:
+        x = x * tl.load(ATTN_SCALE).to(tl.float32)
+    tl.store(DQo + offs, x.to(DQo.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Autotuning
+# --------------------------------------------------------------------------------------------
+
+_KEY = ["H", "DQ", "DV", "N_BUCKET", "TMA"]  # dtypes of all tensor args are appended by triton
+
+
+def _cfg(block_m, block_n, warps, stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). fwd/dq: BLOCK_M query rows per program, BLOCK_N keys per step.
+# dkdv: BLOCK_N key rows per program, BLOCK_M query rows per step.
+_GPU_CONFIGS = {
+    ("fwd", "small"): [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+    ("fwd", "large"): [(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
+    ("dkdv", "small"): [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
+    ("dkdv", "large"): [(32, 64, 4, 2), (64, 64, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2)],
+    ("dq", "small"): [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    ("dq", "large"): [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 3)],
+}
+# One small config under the interpreter (autotuning needs a GPU) and for quick runs.
+_INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+
+_JIT = {"fwd": _hstu_fwd_kernel, "dkdv": _hstu_bwd_dkdv_kernel, "dq": _hstu_bwd_dq_kernel}
+
+# Test hook: {"fwd": (BM, BN, warps, stages), ...} forces a config and bypasses the autotuner.
+_FORCED_CONFIGS: dict = {}
+
+
+@contextlib.contextmanager
+def force_configs(**cfgs):
+    """Run with fixed (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel ("fwd", "dkdv", "dq")."""
+    old = dict(_FORCED_CONFIGS)
+    _FORCED_CONFIGS.update(cfgs)
+    try:
+        yield
+    finally:
+        _FORCED_CONFIGS.clear()
+        _FORCED_CONFIGS.update(old)
+
+
+def _autotune_enabled() -> bool:
+    return not _interpret() and os.environ.get("HSTU_INDUCTOR_AUTOTUNE", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool):
+    if autotune:
+        configs = [_cfg(*c) for c in _GPU_CONFIGS[(kind, size)]]
+    elif _interpret():
+        configs = [_cfg(*_INTERPRET_CONFIGS[kind])]
+    else:
+        configs = [_cfg(*_GPU_CONFIGS[(kind, size)][0])]
+    return triton.autotune(configs=configs, key=_KEY, cache_results=True,
+                           reset_to_zero=["DQA"] if atomic_dq else None)(_JIT[kind])
+
+
+def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, kwargs: dict,
+            atomic_dq: bool = False):
+    """Launch kernel ``kind`` over (grid_x, cdiv(grid_rows, BLOCK_{M|N}))."""
+    row_block = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
+    forced = _FORCED_CONFIGS.get(kind)
+    if forced is not None:
+        bm, bn, warps, stages = forced
+        rb = bn if kind == "dkdv" else bm
+        _JIT[kind][(grid_x, triton.cdiv(grid_rows, rb))](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn,
+                                                        num_warps=warps, num_stages=stages)
+        return
+    size = "small" if block_d <= 128 else "large"
+    kern = _tuned(kind, size, _autotune_enabled(), atomic_dq)
+    kern[lambda meta: (grid_x, triton.cdiv(grid_rows, meta[row_block]))](*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Host helpers
+# --------------------------------------------------------------------------------------------
+
+
+def tma_supported(device=None) -> bool:
+    """True when device-side tensor descriptors (TMA) can be used: sm90+ (or the Triton interpreter)."""
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    device = torch.device(device) if device is not None else None
+    if _interpret():
+        return True
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_ok(t: Optional[torch.Tensor]) -> bool:
+    """A [rows, H, D] tensor addressable by per-(sequence, head) 2-D descriptors."""
+    if t is None:
+        return True
+    es = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0
+            and (t.stride(1) * es) % 16 == 0)
+
+
+def _use_tma(tma, device, tensors) -> bool:
+    if tma is False:
+        return False
+    ok_dev = tma_supported(device)
+    ok_layout = all(_tma_ok(t) for t in tensors)
+    if tma is True:
+        if not ok_dev:
+            raise RuntimeError(f"hstu attention: tma=True but tensor descriptors are not supported on {device} "
+                               "(needs an sm90+ GPU and triton with tl.make_tensor_descriptor)")
+        if not ok_layout:
+            raise ValueError("hstu attention: tma=True needs 16-byte aligned q/k/v base pointers and row/head "
+                             "strides, and a contiguous last dimension")
+        return True
+    return ok_dev and ok_layout
+
+
+def _alloc_fn(size: int, alignment: int, stream):
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _ensure_allocator():
+    """Device-side descriptors need a scratch allocator in eager (Inductor/AOTI set their own)."""
+    try:
+        from triton.runtime import _allocation
+        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            triton.set_allocator(_alloc_fn)
+    except Exception:  # pragma: no cover - allocator API moved
+        triton.set_allocator(_alloc_fn)
+
+
+def _device_ctx(device):
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+# Test hook: fill freshly allocated outputs with NaN so unwritten elements show up.
+POISON_OUTPUTS = False
+
+
+def _new(shape, dtype, device):
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _check_inputs(q, k, v, seq_offsets):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError("hstu attention: q, k, v must be [rows, H, D]")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"hstu attention: q, k, v must share a dtype in fp16/bf16/fp32, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"hstu attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if seq_offsets.dtype not in (torch.int32, torch.int64) or seq_offsets.dim() != 1:
+        raise ValueError("hstu attention: seq_offsets must be a 1-D int32/int64 tensor")
+    if max(q.shape[2], v.shape[2]) > 256:
+        raise ValueError("hstu attention: head dims up to 256 are supported")
+
+
+def _scale_args(attn_scale, max_seq_len):
+    """(SCALE_MODE, scale_const, tensor or None, stride)."""
+    if attn_scale is None:
+        return 0, 1.0 / max(max_seq_len, 1), None, 0
+    if attn_scale.numel() == 1:
+        return 1, 1.0, attn_scale.reshape(()), 0
+    return 2, 1.0, attn_scale, attn_scale.stride(0)
+
+
+def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len):
+    causal = bool(causal)
+    has_window = causal and max_attn_len > 0
+    return dict(
+        CAUSAL=causal,
+        HAS_TGT=causal and num_targets is not None,
+        HAS_CTX=causal and contextual_seq_len > 0,
+        HAS_WINDOW=has_window,
+        HAS_MINFULL=has_window and min_full_attn_seq_len > 0,
+    )
+
+
+def _fast_silu(dtype, device) -> bool:
+    return dtype != torch.float32 and device.type == "cuda" and not _interpret() and torch.version.hip is None
+
+
+def _prec(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
+         min_full_attn_seq_len, causal, delta_rows, tma):
+    _check_inputs(q, k, v, seq_offsets)
+    rows, H, Dq = q.shape
+    Dv = v.shape[2]
+    B = seq_offsets.shape[0] - 1
+    out = _new((rows, H, Dv), q.dtype, q.device)
+    if rows == 0 or B <= 0 or H == 0 or max_seq_len <= 0:
+        return out.zero_()
+    use_tma = _use_tma(tma, q.device, (q, k, v))
+    scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len)
+    flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
+    bdq, bdv = _block_d(Dq), _block_d(Dv)
+    args = (q, k, v, out, seq_offsets, num_targets, scale_t,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), stride_s,
+            float(alpha), float(scale_const),
+            H, Dq, Dv, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
+            triton.next_power_of_2(max_seq_len))
+    kwargs = dict(flags, SCALE_MODE=scale_mode, DELTA=delta_rows > 0, TMA=use_tma,
+                  FAST=_fast_silu(q.dtype, q.device), PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv,
+                  BLOCK_DQ=bdq, BLOCK_DV=bdv)
+    grid_rows = delta_rows if delta_rows > 0 else max_seq_len
+    with _device_ctx(q.device):
+        if use_tma:
+            _ensure_allocator()
+        _launch("fwd", grid_rows, B * H, max(bdq, bdv), args, kwargs)
+    return out
+
+
+def hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targets=None, attn_scale=None,
+                       max_attn_len: int = 0, contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0,
+                       causal: bool = True, *, tma=None) -> torch.Tensor:
+    """Jagged HSTU attention forward: ``[L, H, Dv]`` in the dtype of ``q``."""
+    return _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
+                contextual_seq_len, min_full_attn_seq_len, causal, 0, tma)
+
+
+def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
+                             max_attn_len=0, contextual_seq_len=0, *, tma=None) -> torch.Tensor:
+    """Cached attention: ``delta_q: [B*D, H, Dq]`` are the last D rows of every sequence -> ``[B*D, H, Dv]``.
+
+    Needs ``n_b >= D`` (rows of a shorter sequence that would precede its start come out as zeros).
+    ``attn_scale``: None, a scalar, or one value per delta row ``[B*D]``.
+    """
+    B = seq_offsets.shape[0] - 1
+    if B <= 0:
+        return delta_q.new_zeros((delta_q.shape[0], delta_q.shape[1], v.shape[2]))
+    D = delta_q.shape[0] // B
+    if D * B != delta_q.shape[0]:
+        raise ValueError(f"delta_q rows {delta_q.shape[0]} not a multiple of B={B}")
+    if D == 0:
+        return delta_q.new_zeros((0, delta_q.shape[1], v.shape[2]))
+    return _fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
+                contextual_seq_len, 0, True, D, tma)
+
+
+def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
+                       max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True, *,
+                       deterministic=False, tma=None):
+    """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``)."""
+    _check_inputs(q, k, v, seq_offsets)
+    L, H, Dq = q.shape
+    Dv = v.shape[2]
+    B = seq_offsets.shape[0] - 1
+    dk = _new((L, H, Dq), k.dtype, k.device)
+    dv = _new((L, H, Dv), v.dtype, v.device)
+    if L == 0 or B <= 0 or H == 0 or max_seq_len <= 0:
+        return torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_()
+    if dout.shape != (L, H, Dv):
+        raise ValueError(f"dout must be {(L, H, Dv)}, got {tuple(dout.shape)}")
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    use_tma = _use_tma(tma, q.device, (q, k, v))
+    if use_tma and not _tma_ok(dout):
+        dout = dout.contiguous()
+    scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len)
+    flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
+    bdq, bdv = _block_d(Dq), _block_d(Dv)
+    common = dict(flags, SCALE_MODE=scale_mode, TMA=use_tma, FAST=_fast_silu(q.dtype, q.device),
+                  PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv, BLOCK_DQ=bdq, BLOCK_DV=bdv)
+    tail = (float(alpha), float(scale_const), H, Dq, Dv, int(contextual_seq_len), int(max_attn_len),
+            int(min_full_attn_seq_len), triton.next_power_of_2(max_seq_len))
+    if deterministic:
+        dq = _new((L, H, Dq), q.dtype, q.device)
+        dq_acc = None
+        dq_mode = 0
+        sdq = (0, 0)
+    else:
+        dq_acc = torch.zeros((L, H, Dq), dtype=torch.float32, device=q.device)
+        # TMA bulk reduce-add for dQ on sm90 (the interpreter has no descriptor atomics)
+        dq_mode = 2 if (use_tma and not _interpret() and _tma_ok(dq_acc)) else 1
+        sdq = (dq_acc.stride(0), dq_acc.stride(1))
+    args = (q, k, v, dout, dq_acc, dk, dv, seq_offsets, num_targets, scale_t,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            sdq[0], sdq[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), stride_s) + tail
+    with _device_ctx(q.device):
+        if use_tma:
+            _ensure_allocator()
+        _launch("dkdv", max_seq_len, B * H, max(bdq, bdv), args, dict(common, DQ_MODE=dq_mode),
+                atomic_dq=not deterministic)
+        if deterministic:
+            args = (q, k, v, dout, dq, seq_offsets, num_targets, scale_t,
+                    q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                    v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+                    dq.stride(0), dq.stride(1), stride_s) + tail
+            _launch("dq", max_seq_len, B * H, max(bdq, bdv), args, common)
+        else:
+            dq = dq_acc if q.dtype == torch.float32 else _new((L, H, Dq), q.dtype, q.device)
+            numel = dq_acc.numel()
+            block = 4096 if not _interpret() else 1024
+            _dq_finalize_kernel[(triton.cdiv(numel, block),)](
+                dq_acc, dq, scale_t, numel, float(alpha) * (scale_const if scale_mode == 0 else 1.0),
+                SCALE_MODE=1 if scale_mode == 1 else 0, BLOCK=block)
+    return dq, dk, dv

@@ -1,0 +1,111 @@
+"""Graph-level driver: canonicalise a graph to ATen, run the rewriters, report.
+
+Why rewrite *before* AOTAutograd: the rewritten ``hstu::*`` ops carry their own autograd, so a
+forward-only pattern also gives the training backward (AOTAutograd differentiates through our
+ops). Matching inside Inductor's joint graph would need a forward+backward pattern per spelling.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import pathlib
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .. import _compat, config
+from ..report import RewriteReport, publish
+from .registry import REWRITERS
+
+log = logging.getLogger("hstu_inductor")
+
+# Dynamo nodes whose effect make_fx would execute instead of record (grad mode, autocast):
+# retracing such graphs could change gradients, so they are left to stock Inductor.
+_STATEFUL_TARGETS = ("_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_grad_enabled",
+                     "_enter_inference_mode", "_exit_inference_mode")
+
+
+def _package_hash() -> str:
+    root = pathlib.Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class HSTUPatternPass(CustomGraphPass):
+    """Runs every enabled rewriter on an ATen-level graph, in place.
+
+    ``uuid()`` hashes this package's sources and the config, so Inductor's FX graph cache is
+    invalidated when the pattern logic or options change. Survives ``copy.deepcopy`` (AOTI).
+    """
+
+    def __init__(self):
+        self.last_report = RewriteReport()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        gm = graph.owning_module
+        if gm is None:
+            gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        self.last_report = run_rewriters(gm)
+
+    def uuid(self) -> bytes:
+        return hashlib.sha256((_package_hash() + repr(sorted(config.snapshot().items()))).encode()).digest()
+
+
+def run_rewriters(gm: torch.fx.GraphModule) -> RewriteReport:
+    """Apply every enabled rewriter kind to ``gm`` in place; returns (and publishes) the report."""
+    report = RewriteReport(graphs=1)
+    for kind, rewriters in REWRITERS.items():
+        if not config.patterns.get(kind, True):
+            continue
+        for rewriter in rewriters:
+            rewriter(gm, report)
+    if any(report.counts.values()):
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    publish(report)
+    return report
+
+
+def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+    """Canonicalise a Dynamo (torch-level) graph to ATen and rewrite it.
+
+    Returns the rewritten ATen graph, or None when nothing was rewritten (the caller then
+    compiles the original graph unchanged, exactly like stock Inductor).
+    """
+    stateful = [n for n in gm.graph.nodes if n.op == "call_function"
+                and getattr(n.target, "__name__", "") in _STATEFUL_TARGETS]
+    if stateful:
+        report = RewriteReport(graphs=1)
+        report.near_misses.append(("graph", f"graph switches grad/autocast mode ({stateful[0].target.__name__}); "
+                                            "not retraced"))
+        publish(report)
+        return None
+    fake_mode = _compat.graph_fake_mode(gm)
+    if fake_mode is None:
+        publish(RewriteReport(graphs=1))
+        return None
+    try:
+        with fake_mode:
+            aten_gm = _compat.trace_aten(gm, _compat.placeholder_values(gm))
+    except Exception as e:  # a graph we cannot retrace is still compiled by stock Inductor
+        if config.strict:
+            raise
+        log.warning("hstu_inductor: could not retrace graph to ATen (%s: %s); compiling it unchanged",
+                    type(e).__name__, e)
+        report = RewriteReport(graphs=1)
+        report.near_misses.append(("graph", f"retrace to ATen failed: {type(e).__name__}: {e}"))
+        publish(report)
+        return None
+    try:
+        with fake_mode:
+            report = run_rewriters(aten_gm)
+    except Exception:
+        if config.strict:
+            raise
+        log.exception("hstu_inductor: a rewriter failed; compiling the graph unchanged")
+        return None
+    return aten_gm if any(report.counts.values()) else None

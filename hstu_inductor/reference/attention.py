@@ -1,0 +1,152 @@
+"""Eager HSTU attention (``hstu_mha``) and cached delta attention, in plain PyTorch.
+
+This is the semantic reference every kernel and rewrite is tested against. It pads to
+``[B, N, H, D]``, forms the full score matrix and is therefore O(B*H*N^2) in memory.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .jagged import _is_concrete, jagged_to_padded, require, lengths_from_offsets, padded_to_jagged, validate_jagged
+from .mask import hstu_mask
+
+__all__ = ["hstu_mha", "delta_hstu_mha", "validate_attention_inputs"]
+
+
+def validate_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    num_targets: torch.Tensor | None = None,
+    attn_scale: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+    min_full_attn_seq_len: int = 0,
+    num_query_rows: int | None = None,
+) -> None:
+    """Shape/dtype/device agreement of q, k, v and the jagged metadata, with clear messages."""
+    require(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, lambda: "q, k, v must be [L, H, D]")
+    require(
+        q.shape[1:] == k.shape[1:], lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in [H, Dq]"
+    )
+    require(k.shape[:2] == v.shape[:2], lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in [L, H]")
+    require(
+        q.dtype == k.dtype == v.dtype, lambda: f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    )
+    require(q.is_floating_point(), lambda: f"q, k, v must be floating point, got {q.dtype}")
+    devices = {t.device for t in (q, k, v, seq_offsets)}
+    require(len(devices) == 1, lambda: f"q, k, v and seq_offsets must be on one device, got {devices}")
+    require(max_seq_len >= 0, lambda: f"max_seq_len must be >= 0, got {max_seq_len}")
+    for name, val in (
+        ("max_attn_len", max_attn_len),
+        ("contextual_seq_len", contextual_seq_len),
+        ("min_full_attn_seq_len", min_full_attn_seq_len),
+    ):
+        require(val >= 0, lambda: f"{name} must be >= 0, got {val}")
+    if num_query_rows is None:
+        require(q.shape[0] == k.shape[0], lambda: "q and k must have the same number of rows L")
+    if attn_scale is not None:
+        rows = q.shape[0]
+        require(
+            attn_scale.numel() == 1 or (attn_scale.dim() == 1 and attn_scale.shape[0] == rows),
+            lambda: f"attn_scale must be a scalar or have shape [{rows}], got {tuple(attn_scale.shape)}",
+        )
+    validate_jagged(seq_offsets, k.shape[0], max_seq_len, num_targets)
+
+
+def _row_scale(attn_scale, seq_offsets, max_seq_len, rows_padded_fn):
+    """Per-query-row score scale ``s_i`` broadcastable to ``[B, H, Q, N]``."""
+    if attn_scale is None:
+        return 1.0 / max_seq_len
+    if attn_scale.numel() == 1:
+        return attn_scale.reshape(())
+    return rows_padded_fn(attn_scale).unsqueeze(1).unsqueeze(-1)  # [B, 1, Q, 1]
+
+
+def _scores(qp, kp, alpha, scale, valid, dropout_pr, training):
+    """``valid * silu(alpha * q k^T) * s_i`` (+ dropout) for padded ``[B, Q|N, H, D]`` tensors."""
+    qk = torch.einsum("bihd,bjhd->bhij", qp, kp)
+    p = F.silu(alpha * qk) * scale
+    p = p * valid.unsqueeze(1).to(p.dtype)
+    if dropout_pr > 0.0 and training:
+        p = F.dropout(p, p=dropout_pr, training=True)
+    return p
+
+
+def hstu_mha(
+    max_seq_len: int,
+    alpha: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    causal: bool = True,
+    dropout_pr: float = 0.0,
+    training: bool = True,
+    num_targets: torch.Tensor | None = None,
+    attn_scale: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+    min_full_attn_seq_len: int = 0,
+) -> torch.Tensor:
+    """Jagged HSTU attention: ``q, k: [L, H, Dq]``, ``v: [L, H, Dv]`` -> ``[L, H, Dv]``.
+
+    ``out_i = sum_j valid(i, j) * silu(alpha <q_i, k_j>) * s_i * v_j`` per head, with ``s_i = 1/N``
+    or ``attn_scale`` (scalar or per-row ``[L]``). No softmax.
+    """
+    validate_attention_inputs(
+        q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale,
+        max_attn_len, contextual_seq_len, min_full_attn_seq_len,
+    )
+    N, L = max_seq_len, q.shape[0]
+    pad = lambda t: jagged_to_padded(t, seq_offsets, N)  # noqa: E731
+    valid = hstu_mask(
+        lengths_from_offsets(seq_offsets), N, num_targets, max_attn_len,
+        contextual_seq_len, min_full_attn_seq_len, causal,
+    )
+    scale = _row_scale(attn_scale, seq_offsets, N, pad)
+    p = _scores(pad(q), pad(k), alpha, scale, valid, dropout_pr, training)
+    out = torch.einsum("bhij,bjhd->bihd", p, pad(v))
+    return padded_to_jagged(out, seq_offsets, L)
+
+
+def delta_hstu_mha(
+    max_seq_len: int,
+    alpha: float,
+    delta_q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None = None,
+    attn_scale: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+) -> torch.Tensor:
+    """Cached attention: ``delta_q: [B*D, H, Dq]`` are the last ``D`` rows of every sequence.
+
+    Returns ``[B*D, H, Dv]`` equal to rows ``n_b-D .. n_b-1`` of :func:`hstu_mha` (causal, f = 0).
+    ``attn_scale`` is None, a scalar, or per delta row ``[B*D]``. Requires ``n_b >= D``.
+    """
+    B = seq_offsets.shape[0] - 1
+    require(B > 0 or delta_q.shape[0] == 0, lambda: "seq_offsets describes no sequence")
+    validate_attention_inputs(
+        delta_q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale,
+        max_attn_len, contextual_seq_len, 0, num_query_rows=delta_q.shape[0],
+    )
+    D = delta_q.shape[0] // max(B, 1)
+    require(D * B == delta_q.shape[0], lambda: f"delta_q rows {delta_q.shape[0]} not a multiple of B={B}")
+    N = max_seq_len
+    lengths = lengths_from_offsets(seq_offsets)
+    if _is_concrete(lengths) and lengths.numel():
+        require(bool((lengths >= D).all()), lambda: f"every sequence needs at least D={D} rows")
+    qpos = lengths.unsqueeze(1) - D + torch.arange(D, device=lengths.device, dtype=lengths.dtype)  # [B, D]
+    valid = hstu_mask(lengths, N, num_targets, max_attn_len, contextual_seq_len, 0, True, qpos)
+    qd = delta_q.reshape(B, D, *delta_q.shape[1:])
+    rows = lambda t: t.reshape(B, D)  # noqa: E731
+    scale = _row_scale(attn_scale, seq_offsets, N, rows)
+    p = _scores(qd, jagged_to_padded(k, seq_offsets, N), alpha, scale, valid, 0.0, False)
+    out = torch.einsum("bhij,bjhd->bihd", p, jagged_to_padded(v, seq_offsets, N))
+    return out.reshape(B * D, *out.shape[2:])
