@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch._inductor.custom_graph_pass
 
 from . import _compat, config
 
@@ -33,7 +34,32 @@ def hstu_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = No
     if rewritten is not None:
         log.debug("hstu_inductor: rewritten graph\n%s", rewritten.code)
     patches = {**_compat.mode_options(mode), **(options or {})}
+    patches["post_grad_custom_post_pass"] = _with_audit(patches.get("post_grad_custom_post_pass"))
     return _compat.compile_fx(rewritten if rewritten is not None else gm, example_inputs, patches)
+
+
+def _with_audit(user_pass):
+    """Our post-grad audit pass, chained after a user's own pass if they gave one."""
+    from .patterns.pipeline import HSTULoweringAudit
+
+    audit = HSTULoweringAudit()
+    return audit if user_pass is None else _Chain(user_pass, audit)
+
+
+class _Chain(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """Two post-grad passes in one hook (torch 2.11 holds one callable per hook). No uuid (cache
+    bypassed) when the user's pass has none, as Inductor would do for that pass alone."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, graph):
+        self.first(graph)
+        self.second(graph)
+
+    def uuid(self):
+        first = getattr(self.first, "uuid", lambda: None)()
+        return None if first is None else repr((first, self.second.uuid()))
 
 
 def register() -> None:

@@ -18,6 +18,7 @@ class RewriteReport:
     counts: dict = dataclasses.field(default_factory=lambda: {k: 0 for k in KINDS})
     near_misses: list = dataclasses.field(default_factory=list)
     details: list = dataclasses.field(default_factory=list)  # (kind, spelling/description) per rewrite
+    lowered: dict = dataclasses.field(default_factory=dict)  # post-grad: how hstu ops reached Inductor
     graphs: int = 0
 
     def __str__(self) -> str:
@@ -30,6 +31,9 @@ class RewriteReport:
             lines += [f"    - {kind}: {reason}" for kind, reason in self.near_misses]
         else:
             lines.append("  near misses: none")
+        if self.lowered:
+            lines.append("  after AOTAutograd (fwd+bwd graphs compiled now; none on a cache hit):")
+            lines += [f"    {what}: {n}" for what, n in sorted(self.lowered.items())]
         return "\n".join(lines)
 
     def merge(self, other: "RewriteReport") -> None:
@@ -37,6 +41,8 @@ class RewriteReport:
             self.counts[k] = self.counts.get(k, 0) + v
         self.near_misses += other.near_misses
         self.details += other.details
+        for k, v in other.lowered.items():
+            self.lowered[k] = self.lowered.get(k, 0) + v
         self.graphs += other.graphs
 
 

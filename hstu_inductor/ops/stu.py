@@ -1,8 +1,10 @@
 """``hstu::stu_preprocess`` and ``hstu::stu_output``: the two dense blocks around attention.
 
-The implementations are the eager reference; their backward ops differentiate the reference
-(recomputing the normalisation instead of saving it). Fused Triton versions replace the CUDA
-implementations later without changing these schemas.
+Both are ``torch.library.triton_op`` s: torch.compile/AOTInductor trace into their bodies (so an
+exported package needs no Python for them), while ``torch.export`` keeps them as single nodes.
+Bodies use ATen ops only for now (the fused Triton versions slot in behind the same schemas).
+The backward ops are closed-form and *recompute* the normalisation and the projection output
+from the saved inputs instead of saving ``[L, 2H(Dq+Dv)]`` activations.
 """
 from __future__ import annotations
 
@@ -11,132 +13,155 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.library import triton_op
 
 from ..reference.jagged import require
 
-__all__ = ["stu_preprocess", "stu_output"]
+__all__ = ["stu_preprocess", "stu_output", "stu_preprocess_bwd", "stu_output_bwd"]
+
+aten = torch.ops.aten
 
 
-def _layer_norm32(x, weight, bias, eps, groups=0):
-    """Normalisation with fp32 statistics; ``groups > 0`` = group norm over contiguous chunks."""
-    w = weight.float() if weight is not None else None
-    b = bias.float() if bias is not None else None
+def _stats_dtype(x: Tensor) -> torch.dtype:
+    """Normalisation statistics in fp32, or wider when the input is wider (fp64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _upcast(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]):
+    dt = _stats_dtype(x)
+    return x.to(dt), (weight.to(dt) if weight is not None else None), (bias.to(dt) if bias is not None else None)
+
+
+def _norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, groups: int = 0):
+    """Layer norm over the last dim (``groups=0``) or group norm with ``groups`` groups of
+    contiguous channels of a ``[L, C]`` tensor, with fp32 (or wider) statistics.
+    Returns ``(normed, mean, rstd)`` in the statistics dtype."""
+    x32, w, b = _upcast(x, weight, bias)
     if groups:
-        return F.group_norm(x.float(), groups, w, b, eps)
-    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps)
+        return aten.native_group_norm(x32, w, b, x32.shape[0], x32.shape[1], 1, groups, eps)
+    return aten.native_layer_norm(x32, [x32.shape[-1]], w, b, eps)
 
 
-def _preprocess_ref(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all):
-    normed = _layer_norm32(x, ln_weight, ln_bias, eps).to(x.dtype)
-    uvqk = F.linear(normed, weight, bias)
-    if silu_all:
-        uvqk = F.silu(uvqk)
-    u, v, q, k = torch.split(uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
-    if not silu_all:
-        u = F.silu(u)
-    return tuple(t.contiguous() for t in (u, v, q, k))
+def _norm_bwd(grad32: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight, bias, groups: int):
+    """Gradients ``(dx, dweight, dbias)`` of :func:`_norm_fwd` (each cast to its input's dtype)."""
+    x32, w, b = _upcast(x, weight, bias)
+    mask = [True, weight is not None, bias is not None]
+    if groups:
+        dx, dw, db = aten.native_group_norm_backward(grad32, x32, mean, rstd, w, x32.shape[0], x32.shape[1], 1,
+                                                     groups, mask)
+    else:
+        dx, dw, db = aten.native_layer_norm_backward(grad32, x32, [x32.shape[-1]], mean, rstd, w, b, mask)
+    return (dx.to(x.dtype), dw.to(weight.dtype) if weight is not None else None,
+            db.to(bias.dtype) if bias is not None else None)
 
 
+# ----------------------------------------------------------------------------------------------
+# preprocess: LayerNorm(x) -> x @ W^T + b -> split (u, v, q, k) -> silu(u) (or silu on all four)
+# ----------------------------------------------------------------------------------------------
 def _check_preprocess(x, weight, u_dim, qk_dim):
     require(x.dim() == 2, lambda: f"x must be [L, E], got {tuple(x.shape)}")
     require(weight.dim() == 2 and weight.shape[1] == x.shape[1],
-                 lambda: f"weight must be [2*(u_dim+qk_dim), E]={x.shape[1]}, got {tuple(weight.shape)}")
+            lambda: f"weight must be [2*(u_dim+qk_dim), E={x.shape[1]}], got {tuple(weight.shape)}")
     require(weight.shape[0] == 2 * (u_dim + qk_dim),
-                 lambda: f"weight has {weight.shape[0]} rows, expected 2*(u_dim+qk_dim)={2 * (u_dim + qk_dim)}")
+            lambda: f"weight has {weight.shape[0]} rows, expected 2*(u_dim+qk_dim)={2 * (u_dim + qk_dim)}")
+    require(x.dtype == weight.dtype, lambda: f"x ({x.dtype}) and weight ({weight.dtype}) dtypes differ")
 
 
-@torch.library.custom_op("hstu::stu_preprocess", mutates_args=())
+def _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias):
+    normed32, mean, rstd = _norm_fwd(x, ln_weight, ln_bias, eps)
+    normed = normed32.to(x.dtype)
+    return normed, F.linear(normed, weight, bias), mean, rstd
+
+
+@triton_op("hstu::stu_preprocess", mutates_args=())
 def stu_preprocess(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float, weight: Tensor,
                    bias: Optional[Tensor], u_dim: int, qk_dim: int,
                    silu_all: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``LayerNorm(x) @ weight.T + bias`` split into ``(silu(u), v, q, k)`` (2-D, ``[L, *]``).
 
     ``weight`` is in ``F.linear`` layout ``[2*(u_dim+qk_dim), E]``; ``silu_all`` activates all four.
+    LayerNorm statistics are computed in fp32 and the normalised x is cast back to ``x.dtype``.
     """
     _check_preprocess(x, weight, u_dim, qk_dim)
-    return _preprocess_ref(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all)
+    _, uvqk, _, _ = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
+    if silu_all:
+        uvqk = F.silu(uvqk)
+    u, v, q, k = torch.split(uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
+    if not silu_all:
+        u = F.silu(u)
+    return u.contiguous(), v.contiguous(), q.contiguous(), k.contiguous()
 
 
-@stu_preprocess.register_fake
-def _(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all=False):
-    _check_preprocess(x, weight, u_dim, qk_dim)
-    L = x.shape[0]
-    return (x.new_empty(L, u_dim), x.new_empty(L, u_dim), x.new_empty(L, qk_dim), x.new_empty(L, qk_dim))
-
-
-def _output_ref(attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua):
-    y = u * _layer_norm32(attn, norm_weight, norm_bias, eps, norm_groups).to(attn.dtype)
-    if concat_ua:
-        y = torch.cat([u, attn, y], dim=-1)
-    return x + F.linear(y, weight, bias)
-
-
-def _check_output(attn, u, x, weight, concat_ua):
-    require(attn.dim() == 2 and attn.shape == u.shape,
-                 lambda: f"attn {tuple(attn.shape)} and u {tuple(u.shape)} must both be [L, H*Dv]")
-    require(x.dim() == 2 and x.shape[0] == attn.shape[0], lambda: "x must be [L, E] with the rows of attn")
-    k = attn.shape[1] * (3 if concat_ua else 1)
-    require(weight.shape[0] == x.shape[1] and weight.shape[1] == k,
-                 lambda: f"weight must be [E, {k}], got {tuple(weight.shape)}")
-
-
-@torch.library.custom_op("hstu::stu_output", mutates_args=())
-def stu_output(attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
-               eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor], concat_ua: bool) -> Tensor:
-    """``x + F.linear(u * Norm(attn) [cat u, attn before], weight, bias)``; ``norm_groups=0`` is layer norm."""
-    _check_output(attn, u, x, weight, concat_ua)
-    return _output_ref(attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua)
-
-
-@stu_output.register_fake
-def _(attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua):
-    _check_output(attn, u, x, weight, concat_ua)
-    return torch.empty_like(x)
-
-
-def _vjp(fn, primals, grads):
-    """Gradients of ``fn`` w.r.t. the tensor entries of ``primals`` that are not None (in order)."""
-    slots = [i for i, p in enumerate(primals) if isinstance(p, Tensor)]
-
-    def partial(*tensors):
-        full = list(primals)
-        for i, t in zip(slots, tensors):
-            full[i] = t
-        return fn(*full)
-
-    _, vjp_fn = torch.func.vjp(partial, *[primals[i] for i in slots])
-    # A gradient may be the incoming grad itself (residual add): ops must not return aliases.
-    return [g.clone() for g in vjp_fn(grads if len(grads) > 1 else grads[0])]
-
-
-@torch.library.custom_op("hstu::stu_preprocess_bwd", mutates_args=())
+@triton_op("hstu::stu_preprocess_bwd", mutates_args=())
 def stu_preprocess_bwd(du: Tensor, dv: Tensor, dq: Tensor, dk: Tensor, x: Tensor, ln_weight: Optional[Tensor],
                        ln_bias: Optional[Tensor], eps: float, weight: Tensor, bias: Optional[Tensor], u_dim: int,
                        qk_dim: int, silu_all: bool) -> list[Tensor]:
     """Gradients for ``x, ln_weight, ln_bias, weight, bias`` (only for the tensors that are not None)."""
-    fn = lambda *p: _preprocess_ref(*p, u_dim, qk_dim, silu_all)  # noqa: E731
-    return _vjp(fn, (x, ln_weight, ln_bias, eps, weight, bias), (du, dv, dq, dk))
+    normed, uvqk, mean, rstd = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
+    grad = torch.cat([du, dv, dq, dk], dim=-1)
+    if silu_all:
+        grad = aten.silu_backward(grad, uvqk)
+    else:
+        grad = torch.cat([aten.silu_backward(du, uvqk[:, :u_dim]), dv, dq, dk], dim=-1)
+    grads = [None, None, None, grad.t().mm(normed), grad.sum(0) if bias is not None else None]
+    d_normed = grad.mm(weight)
+    grads[0], grads[1], grads[2] = _norm_bwd(d_normed.to(_stats_dtype(x)), x, mean, rstd, ln_weight, ln_bias, 0)
+    # contiguous: real and fake (meta) strides of mm/transposes can differ; callers get dense grads.
+    return [g.contiguous() for g in grads if g is not None]
 
 
-@stu_preprocess_bwd.register_fake
-def _(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all):
-    return [torch.empty_like(t) for t in (x, ln_weight, ln_bias, weight, bias) if t is not None]
+# ----------------------------------------------------------------------------------------------
+# output: x + F.linear(u * Norm(attn) [or cat(u, attn, u * Norm(attn))], weight, bias)
+# ----------------------------------------------------------------------------------------------
+def _check_output(attn, u, x, weight, concat_ua):
+    require(attn.dim() == 2 and attn.shape == u.shape,
+            lambda: f"attn {tuple(attn.shape)} and u {tuple(u.shape)} must both be [L, H*Dv]")
+    require(x.dim() == 2 and x.shape[0] == attn.shape[0], lambda: "x must be [L, E] with the rows of attn")
+    cols = attn.shape[1] * (3 if concat_ua else 1)
+    require(weight.dim() == 2 and weight.shape[0] == x.shape[1] and weight.shape[1] == cols,
+            lambda: f"weight must be [E, {cols}], got {tuple(weight.shape)}")
 
 
-@torch.library.custom_op("hstu::stu_output_bwd", mutates_args=())
+def _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua):
+    normed32, mean, rstd = _norm_fwd(attn, norm_weight, norm_bias, eps, norm_groups)
+    normed = normed32.to(attn.dtype)
+    y = u * normed
+    return (torch.cat([u, attn, y], dim=-1) if concat_ua else y), normed, mean, rstd
+
+
+@triton_op("hstu::stu_output", mutates_args=())
+def stu_output(attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
+               eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor], concat_ua: bool) -> Tensor:
+    """``x + F.linear(u * Norm(attn) [cat u, attn before], weight, bias)``; ``norm_groups=0`` is layer norm."""
+    _check_output(attn, u, x, weight, concat_ua)
+    y, _, _, _ = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua)
+    return x + F.linear(y, weight, bias)
+
+
+@triton_op("hstu::stu_output_bwd", mutates_args=())
 def stu_output_bwd(grad: Tensor, attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor],
                    norm_bias: Optional[Tensor], eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor],
                    concat_ua: bool) -> list[Tensor]:
     """Gradients for ``attn, u, x, norm_weight, norm_bias, weight, bias`` (those not None)."""
-    fn = lambda a, u_, x_, nw, nb, w, b: _output_ref(a, u_, x_, nw, nb, eps, norm_groups, w, b, concat_ua)  # noqa
-    return _vjp(fn, (attn, u, x, norm_weight, norm_bias, weight, bias), (grad,))
+    y, normed, mean, rstd = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua)
+    d_y = grad.mm(weight)
+    d_w = grad.t().mm(y)
+    d_b = grad.sum(0) if bias is not None else None
+    if concat_ua:
+        d_u, d_attn_direct, d_y = torch.split(d_y, attn.shape[1], dim=-1)
+    d_normed = (d_y * u).to(_stats_dtype(attn))
+    d_attn, d_nw, d_nb = _norm_bwd(d_normed, attn, mean, rstd, norm_weight, norm_bias, norm_groups)
+    d_u_total = d_y * normed
+    if concat_ua:
+        d_u_total = d_u_total + d_u
+        d_attn = d_attn + d_attn_direct
+    grads = [d_attn, d_u_total, grad.clone(), d_nw, d_nb, d_w, d_b]
+    return [g.contiguous() for g in grads if g is not None]
 
 
-@stu_output_bwd.register_fake
-def _(grad, attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua):
-    return [torch.empty_like(t) for t in (attn, u, x, norm_weight, norm_bias, weight, bias) if t is not None]
-
-
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
 def _expand(grads, optional_inputs):
     """Place a packed list of gradients back at the positions of the non-None inputs."""
     it = iter(grads)
@@ -170,8 +195,8 @@ def _out_setup(ctx, inputs, output):
 def _out_backward(ctx, grad):
     attn, u, x, norm_weight, norm_bias, weight, bias = ctx.saved_tensors
     eps, norm_groups, concat_ua = ctx.args
-    grads = torch.ops.hstu.stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias,
-                                          concat_ua)
+    grads = torch.ops.hstu.stu_output_bwd(grad.contiguous(), attn, u, x, norm_weight, norm_bias, eps, norm_groups,
+                                          weight, bias, concat_ua)
     ga, gu, gx, gnw, gnb, gw, gb = _expand(grads, (attn, u, x, norm_weight, norm_bias, weight, bias))
     return ga, gu, gx, gnw, gnb, None, None, gw, gb, None
 

@@ -6,6 +6,7 @@ ops). Matching inside Inductor's joint graph would need a forward+backward patte
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import pathlib
@@ -25,7 +26,9 @@ _STATEFUL_TARGETS = ("_set_grad_enabled", "_enter_autocast", "_exit_autocast", "
                      "_enter_inference_mode", "_exit_inference_mode")
 
 
-def _package_hash() -> str:
+@functools.cache
+def package_hash() -> str:
+    """Hash of this package's sources: changes whenever pattern, op or kernel code changes."""
     root = pathlib.Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
@@ -51,7 +54,49 @@ class HSTUPatternPass(CustomGraphPass):
         self.last_report = run_rewriters(gm)
 
     def uuid(self) -> bytes:
-        return hashlib.sha256((_package_hash() + repr(sorted(config.snapshot().items()))).encode()).digest()
+        return cache_uuid()
+
+
+def cache_uuid() -> bytes:
+    """Key for Inductor's caches: our sources + options. Needed because a graph that calls
+    ``hstu::*`` ops looks the same to Inductor's cache after our op/kernel code changed."""
+    return hashlib.sha256((package_hash() + repr(sorted(config.snapshot().items()))).encode()).digest()
+
+
+class HSTULoweringAudit(CustomGraphPass):
+    """Post-grad pass (fwd and bwd graphs): records how the hstu ops were lowered.
+
+    Counts ``hstu::*`` calls Inductor still sees (opaque extern calls) and user-defined Triton
+    kernel calls (what ``triton_op`` bodies become). Its ``uuid()`` also puts our source hash into
+    Inductor's FX graph / AOTAutograd cache keys, so stale compiled code is never reused.
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        report = RewriteReport()
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            name = str(node.target)
+            if name.startswith("hstu."):
+                report.lowered[f"extern call {name}"] = report.lowered.get(f"extern call {name}", 0) + 1
+            elif "triton_kernel_wrapper" in name:
+                kernel = _triton_kernel_name(node)
+                report.lowered[f"triton kernel {kernel}"] = report.lowered.get(f"triton kernel {kernel}", 0) + 1
+        if report.lowered:
+            publish(report)
+
+    def uuid(self) -> bytes:
+        return cache_uuid()
+
+
+def _triton_kernel_name(node: torch.fx.Node) -> str:
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        return getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "?")
+    except Exception:  # naming is best effort; the count is what matters
+        return "?"
 
 
 def run_rewriters(gm: torch.fx.GraphModule) -> RewriteReport:

@@ -46,7 +46,8 @@ def stu_output(attn, u, x, norm_weight, norm_bias, w_o, b_o, num_heads, eps=1e-6
     y = u * normed.to(attn.dtype)
     if concat_ua:
         y = torch.cat([u, attn, y], dim=1)
-    y = F.dropout(y, p=dropout_ratio, training=training)
+    if training and dropout_ratio > 0.0:
+        y = F.dropout(y, p=dropout_ratio, training=True)
     return x + F.linear(y, w_o, b_o)
 
 
