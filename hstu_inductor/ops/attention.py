@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import config
-from ..reference import delta_hstu_mha, hstu_mha, validate_attention_inputs
+from ..reference import delta_hstu_mha, hstu_mha, hstu_mha_backward, validate_attention_inputs
 from ._kernels import cuda_kernels
 
 __all__ = ["attention", "attention_bwd", "delta_attention"]
@@ -42,7 +42,7 @@ def _attention_cuda(q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, 
         return _reference_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
                               contextual_seq_len, min_full_attn_seq_len, causal).contiguous()
     validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
-                              contextual_seq_len, min_full_attn_seq_len)
+                              contextual_seq_len, min_full_attn_seq_len, causal=causal)
     return kern.hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
                                    contextual_seq_len, min_full_attn_seq_len, causal, tma=_tma())
 
@@ -51,7 +51,7 @@ def _attention_cuda(q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, 
 def _attention_fake(q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None, max_attn_len=0,
                     contextual_seq_len=0, min_full_attn_seq_len=0, causal=True):
     validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
-                              contextual_seq_len, min_full_attn_seq_len)
+                              contextual_seq_len, min_full_attn_seq_len, causal=causal)
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
 
 
@@ -61,16 +61,11 @@ def _tma():
 
 def _reference_bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
                    contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad):
-    # torch.func.vjp works inside an op kernel, where the autograd key is already excluded.
-    def fwd(q_, k_, v_, scale):
-        return _reference_fwd(q_, k_, v_, seq_offsets, max_seq_len, alpha, num_targets, scale, max_attn_len,
-                              contextual_seq_len, min_full_attn_seq_len, causal)
-
-    if need_scale_grad:
-        _, vjp_fn = torch.func.vjp(fwd, q, k, v, attn_scale)
-        return vjp_fn(grad)
-    _, vjp_fn = torch.func.vjp(lambda q_, k_, v_: fwd(q_, k_, v_, attn_scale), q, k, v)
-    return (*vjp_fn(grad), q.new_empty(0))
+    dq, dk, dv, d_scale = hstu_mha_backward(grad, max_seq_len, alpha, q, k, v, seq_offsets, causal, num_targets,
+                                            attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len,
+                                            need_scale_grad)
+    return (dq.contiguous(), dk.contiguous(), dv.contiguous(),
+            d_scale.contiguous() if need_scale_grad else q.new_empty(0))
 
 
 @torch.library.custom_op("hstu::attention_bwd", mutates_args=())

@@ -1,1 +1,961 @@
-"""(in progress)"""
+"""Rewriter "attention": find silu attention over jagged sequences, prove it, call hstu.attention.
+
+How a candidate is found and proven (details and the argument in ``docs/patterns.md``):
+
+1. **Anchor.** A ``bmm`` ``O = X @ Y`` whose left operand ``X`` is reached from another ``bmm``
+   ``S = A @ K`` through shape-preserving ops only, with ``S`` square in its last two dims.
+2. **Structure (layout algebra, ``attn_layout``).** ``A``, ``K`` and ``Y`` are followed back through
+   layout ops and scalar multiplies to the dense tensors ``D`` that feed them, and ``O`` forward
+   to the dense tensor the unpad reads. Each ``D`` is taken to be ``pad(src)`` viewed as
+   ``D.shape``; the algebra then says which logical element (sequence ``b``, row ``n``, feature
+   digits of ``src``) sits at every position of every operand, so the contractions are checked
+   exactly: ``S`` contracts q/k features within a head, its batch covers every sequence and head
+   once, ``X`` and ``Y`` pair the same (sequence, head), ``O`` is read back row by row.
+3. **Meaning (``prover``).** The user's own nodes are run on random probes: each pad subgraph
+   must equal ``reference.jagged_to_padded``; the score subgraph (``S`` -> ``X``, including the
+   mask built from offsets/num_targets) must equal ``mask * s * silu(alpha * S)`` for candidate
+   constants taken from the graph; the unpad must read rows ``(b, n)`` of every jagged row.
+4. **Rewrite.** The jagged output node is replaced by ``hstu.attention`` on the jagged sources
+   (re-laid-out as ``[L, H, D]`` with the proven head split); the dead subgraph is removed by DCE.
+
+Anything unproven is reported as a near miss with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import operator
+import random
+from typing import Optional
+
+import sympy
+import torch
+
+from .. import config
+from . import attn_layout as lay
+from .prover import (
+    Decline, close, closure, concrete, evaluate, hints, is_static, make_probes, make_targets,
+    mask_candidates, reference_mask, reference_pad, scalar_constants, silu, solve_binding, sym_expr, valid_at,
+)
+from .registry import register
+
+log = logging.getLogger("hstu_inductor")
+aten = torch.ops.aten
+
+BMM = aten.bmm.default
+_SCALAR_MUL = {aten.mul.Tensor, aten.mul.Scalar}
+_SCALAR_DIV = {aten.div.Tensor, aten.div.Scalar}
+
+_SOFTMAX = {aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default,
+            aten.logsumexp.default, aten.amax.default, aten.sum.dim_IntList}
+
+
+def _fbgemm(name):
+    try:
+        import fbgemm_gpu  # noqa: F401
+        return getattr(torch.ops.fbgemm, name).default
+    except Exception:
+        return None
+
+
+def _pad_ops():
+    ops = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default, aten.cat.default,
+           aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default,
+           aten.index_copy.default, aten.index_copy_.default, aten.scatter.src, aten.scatter_.src,
+           aten.scatter.value, aten.where.self, aten.mul.Tensor, aten.masked_fill.Scalar,
+           aten.masked_fill_.Scalar, aten.masked_fill.Tensor, aten.zeros.default, aten.new_zeros.default,
+           aten.full.default, aten.new_full.default, aten.zeros_like.default, aten.full_like.default,
+           aten.gather.default, aten.masked_scatter.default, aten._jagged_to_padded_dense_forward.default,
+           aten.select_scatter.default, aten.slice_scatter.default, aten.copy_.default, aten.fill_.Scalar,
+           aten.zero_.default, aten.scalar_tensor.default}
+    for name in ("jagged_to_padded_dense_forward", "jagged_to_padded_dense", "jagged_2d_to_dense"):
+        op = _fbgemm(name)
+        if op is not None:
+            ops.add(op)
+    return ops
+
+
+def _unpad_ops():
+    ops = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default, aten.gather.default,
+           aten._padded_dense_to_jagged_forward.default}
+    for name in ("dense_to_jagged_forward", "dense_to_jagged", "jagged_dense_elementwise_mul"):
+        op = _fbgemm(name)
+        if op is not None and name != "jagged_dense_elementwise_mul":
+            ops.add(op)
+    return ops
+
+
+_PAD_OPS = None
+_UNPAD_OPS = None
+
+
+def _hint(x) -> int:
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint) if x.node.hint is not None else -1
+    return int(x)
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+
+
+def _is_float(n) -> bool:
+    v = _val(n)
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _has_float(n) -> bool:
+    """Is ``n`` (or any tensor in the list/tuple it produces) floating point?"""
+    v = _val(n)
+    vals = v if isinstance(v, (list, tuple)) else [v]
+    return any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in vals)
+
+
+def _is_int_tensor(n) -> bool:
+    v = _val(n)
+    return isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex()
+
+
+def _name(n) -> str:
+    t = n.target
+    return getattr(t, "__name__", str(t)) if n.op == "call_function" else n.op
+
+
+# ---------------------------------------------------------------------------------------------
+# Anchor
+
+
+def _score_path_op(n) -> bool:
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if t is BMM or t is operator.getitem:
+        return t is operator.getitem
+    if lay.is_layout_node(n) or t in _SOFTMAX:
+        return True
+    tags = getattr(t, "tags", ())
+    return (torch.Tag.pointwise in tags or torch.Tag.nondeterministic_seeded in tags
+            or t in (aten.tril.default, aten.triu.default, aten._to_copy.default, aten.masked_fill.Tensor,
+                     aten.native_dropout.default))
+
+
+def find_score_product(pv) -> Optional[torch.fx.Node]:
+    """The ``bmm`` computing the scores that feed ``pv``'s left operand, or None."""
+    found, seen, stack = set(), set(), [pv.args[0]]
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, torch.fx.Node):
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target is BMM:
+            found.add(n)
+            continue
+        if _score_path_op(n):
+            stack.extend(a for a in n.all_input_nodes if _is_float(a) or a.target is aten.native_dropout.default)
+    if len(found) != 1:
+        return None
+    s = found.pop()
+    shape = _val(s).shape
+    if not lay.eq(shape[1], shape[2]):
+        return None
+    return s
+
+
+# ---------------------------------------------------------------------------------------------
+# Structure
+
+
+def _scalar_of(n, a):
+    return a if isinstance(a, (int, float)) and not isinstance(a, bool) else None
+
+
+def walk_operand(node):
+    """Follow a bmm operand back through layout ops and scalar multiplies.
+    Returns ``(dense source D, ops from D to node, scalar factor)``."""
+    ops, factor, cur = [], 1.0, node
+    while True:
+        if lay.is_layout_node(cur):
+            ops.append(cur)
+            cur = cur.args[0]
+            continue
+        if cur.op == "call_function" and cur.target in _SCALAR_MUL | _SCALAR_DIV and len(cur.args) == 2:
+            a0, a1 = cur.args
+            if isinstance(a0, torch.fx.Node) and _scalar_of(cur, a1) is not None:
+                factor = factor * a1 if cur.target in _SCALAR_MUL else factor / a1
+                ops.append(cur)
+                cur = a0
+                continue
+            if cur.target in _SCALAR_MUL and isinstance(a1, torch.fx.Node) and _scalar_of(cur, a0) is not None:
+                factor = factor * a0
+                ops.append(cur)
+                cur = a1
+                continue
+        break
+    ops.reverse()
+    return cur, ops, factor
+
+
+def walk_forward(node):
+    """Follow ``node`` forward through single-user layout ops and scalar multiplies."""
+    ops, factor, cur = [], 1.0, node
+    while len(cur.users) == 1:
+        u = next(iter(cur.users))
+        if lay.is_layout_node(u) and u.args[0] is cur:
+            ops.append(u)
+            cur = u
+            continue
+        if u.op == "call_function" and u.target in _SCALAR_MUL | _SCALAR_DIV and len(u.args) == 2:
+            a0, a1 = u.args
+            if a0 is cur and _scalar_of(u, a1) is not None:
+                factor = factor * a1 if u.target in _SCALAR_MUL else factor / a1
+                ops.append(u)
+                cur = u
+                continue
+            if u.target in _SCALAR_MUL and a1 is cur and _scalar_of(u, a0) is not None:
+                factor = factor * a0
+                ops.append(u)
+                cur = u
+                continue
+        break
+    return cur, ops, factor
+
+
+def _through_layout(ops, layout):
+    for op in ops:
+        if lay.is_layout_node(op):
+            layout = lay.apply(op, layout)
+    return layout
+
+
+def pad_source(D) -> torch.fx.Node:
+    """The jagged tensor that the pad subgraph ending at ``D`` reads (walk through pad ops)."""
+    global _PAD_OPS
+    if _PAD_OPS is None:
+        _PAD_OPS = _pad_ops()
+    if D.op != "call_function" or D.target not in _PAD_OPS:
+        raise Decline(f"operand {D.name} ({_name(D)}) is not produced by a recognised pad")
+    leaves, seen, stack = set(), set(), [D]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for a in n.all_input_nodes:
+            if not _is_float(a):
+                continue
+            root = a
+            while lay.is_layout_node(root):
+                root = root.args[0]
+            scalar_mul = root.op == "call_function" and root.target in _SCALAR_MUL | _SCALAR_DIV and any(
+                _scalar_of(root, x) is not None for x in root.args)
+            if root.op == "call_function" and root.target in _PAD_OPS and not scalar_mul:
+                stack.append(root)
+            elif root.op == "call_function" and root.target is not operator.getitem and not any(
+                    _has_float(x) for x in root.all_input_nodes):
+                stack.append(root)  # float made from ints/constants only (e.g. mask.to(float))
+            else:
+                leaves.add(a)
+    if len(leaves) != 1:
+        raise Decline(f"pad ending at {D.name} reads {len(leaves)} float tensors "
+                      f"({', '.join(sorted(x.name for x in leaves))}); expected one jagged source")
+    return leaves.pop()
+
+
+def _key(m):
+    return (str(sympy.expand(m[0])), m[1], str(sympy.expand(m[2])))
+
+
+def _dimkey(dim):
+    return tuple(_key(m) for m in lay.normalize_dim(dim))
+
+
+@dataclasses.dataclass
+class Operand:
+    node: torch.fx.Node   # the bmm operand
+    D: torch.fx.Node      # dense tensor at the end of the pad
+    ops: list             # layout / scalar ops from D to node
+    factor: float
+    src: torch.fx.Node    # jagged source [L, *F]
+    prefix: str           # logical axis prefix for src's feature dims
+    layout: tuple = None
+
+
+@dataclasses.dataclass
+class Plan:
+    pv: torch.fx.Node
+    S: torch.fx.Node
+    out: torch.fx.Node
+    q: Operand
+    k: Operand
+    v: Operand
+    offsets: torch.fx.Node
+    num_targets: Optional[torch.fx.Node]
+    N: int
+    alpha: float = 1.0
+    scale: Optional[float] = None           # constant scale (None: 1/N)
+    scale_node: Optional[torch.fx.Node] = None  # attn_scale input (times scale_factor)
+    scale_factor: float = 1.0
+    params: tuple = (True, 0, 0, 0)
+    head_modes: list = None      # q-feature modes forming the head index (S batch order)
+    c_modes: list = None         # q-feature modes contracted in S
+    v_head_modes: list = None    # v-feature modes paired with head_modes
+    e_modes: list = None         # v-feature modes of the output
+    out_rest: list = None        # modes of out's feature dims (flattened, in order)
+    spelling: str = ""
+
+
+def _modes_of_axes(dim, prefix):
+    return [m for m in lay.normalize_dim(dim) if m[1] is not None and m[1].startswith(prefix)]
+
+
+def _feature_axes(src, prefix):
+    shape = _val(src).shape
+    if len(shape) < 2:
+        raise Decline(f"jagged source {src.name} has no feature dims")
+    for s in shape[1:]:
+        if not is_static(s):
+            raise Decline(f"jagged source {src.name} has symbolic feature dims {tuple(shape)}")
+    return [int(s) for s in shape[1:]], [f"{prefix}{k}" for k in range(len(shape) - 1)]
+
+
+def _check_tiles(modes, sizes, axes, what):
+    for size, axis in zip(sizes, axes):
+        ms = [m for m in modes if m[1] == axis]
+        ms.sort(key=lambda m: int(m[2]))
+        expect = 1
+        for s, _, st in ms:
+            if int(st) != expect:
+                raise Decline(f"{what}: feature digits of {axis} are not covered exactly once")
+            expect *= int(s)
+        if expect != size:
+            raise Decline(f"{what}: feature dim {axis} of size {size} is not covered exactly once")
+
+
+def _operand(node, prefix) -> Operand:
+    D, ops, factor = walk_operand(node)
+    src = pad_source(D)
+    _no_lost_grad(src)
+    return Operand(node, D, ops, factor, src, prefix)
+
+
+def _may_require_grad(node) -> bool:
+    """Whether ``node`` may carry a gradient. The ATen retrace drops ``requires_grad`` from its
+    fake values, so unless the pipeline recorded it (``meta["requires_grad"]``) we assume it
+    does whenever grad mode is on while compiling."""
+    val = _val(node)
+    if "requires_grad" in node.meta:
+        return bool(node.meta["requires_grad"])
+    if isinstance(val, torch.Tensor) and val.requires_grad:
+        return True
+    return torch.is_grad_enabled()
+
+
+def _no_lost_grad(src):
+    """Decline when the source reaches a grad-requiring tensor only through ``detach``: the ATen
+    retrace of nested-tensor code detaches its values (eager keeps the gradient), and rewriting
+    such a graph would silently drop those gradients."""
+    cur = src
+    while cur.op == "call_function" and (lay.is_layout_node(cur) or cur.target is aten.detach.default):
+        if cur.target is aten.detach.default:
+            if _may_require_grad(cur.args[0]):
+                raise Decline(f"jagged source {src.name} is a detached view of a tensor that requires grad "
+                              f"(nested tensors lose autograd in the ATen retrace); left to stock Inductor")
+        cur = cur.args[0]
+
+
+def analyse(S, pv) -> Plan:
+    """Structural part of the proof. Raises Decline."""
+    q = _operand(S.args[0], "q")
+    k = _operand(S.args[1], "q")  # k's features must line up with q's: same axis names
+    v = _operand(pv.args[1], "v")
+    fq, axq = _feature_axes(q.src, "q")
+    fk, _ = _feature_axes(k.src, "q")
+    fv, axv = _feature_axes(v.src, "v")
+    if fq != fk:
+        raise Decline(f"q {fq} and k {fk} feature shapes differ")
+    dt = {_val(x.src).dtype for x in (q, k, v)}
+    if len(dt) != 1:
+        raise Decline(f"q, k, v dtypes differ: {dt}")
+
+    # offsets: the single integer input of the q pad
+    order, leaves = closure([q.D], {q.src})
+    ints = [x for x in leaves if _is_int_tensor(x)]
+    if len(ints) != 1 or _val(ints[0]).dim() != 1:
+        raise Decline(f"pad of {q.src.name} does not depend on exactly one 1-D integer input (offsets)")
+    offsets = ints[0]
+    B = sym_expr(_val(offsets).shape[0]) - 1
+    Lq = sym_expr(_val(q.src).shape[0])
+    for x in (k, v):  # separate symbols are fine (the jagged contract makes them equal), hints must agree
+        if _hint(_val(x.src).shape[0]) != _hint(_val(q.src).shape[0]):
+            raise Decline("q, k, v have different numbers of jagged rows")
+
+    # N from the dense size of the q pad
+    numel = sympy.Integer(1)
+    for s in _val(q.D).shape:
+        numel = numel * sym_expr(s)
+    Nexpr = sympy.cancel(numel / (B * math.prod(fq)))
+    if not Nexpr.is_Integer or int(Nexpr) <= 0:
+        raise Decline(f"padded size of {q.src.name} is not B * N * features for a constant N ({Nexpr})")
+    N = int(Nexpr)
+
+    for x, f, axes in ((q, fq, axq), (k, fk, axq), (v, fv, axv)):
+        base = lay.source_layout([B, N, *f], ["b", "n", *axes])
+        x.layout = _through_layout(x.ops, lay.view(base, _val(x.D).shape))
+
+    A, K = q.layout, k.layout
+    if len(A) != 3 or len(K) != 3:
+        raise Decline("score product operands are not 3-D")
+    nmode = ((sympy.Integer(N), "n", sympy.Integer(1)),)
+    bkey = _key((B, "b", sympy.Integer(1)))
+    if _dimkey(A[1]) != tuple(_key(m) for m in nmode) or _dimkey(K[2]) != tuple(_key(m) for m in nmode):
+        raise Decline("score product does not pair query rows with key rows of the padded sequences")
+    if _dimkey(A[2]) != _dimkey(K[1]) or not lay.normalize_dim(A[2]):
+        raise Decline("score product does not contract the same q/k feature digits")
+    if _dimkey(A[0]) != _dimkey(K[0]):
+        raise Decline("score product batches q and k differently")
+    Z = lay.normalize_dim(A[0])
+    zkeys = [_key(m) for m in Z]
+    if zkeys.count(bkey) != 1 or any(m[1] not in ("b",) and not str(m[1]).startswith("q") for m in Z):
+        raise Decline("score product batch is not (sequence, head)")
+    if any(m[1] is None for d in A for m in d) or any(m[1] is None for d in K for m in d):
+        raise Decline("score product broadcasts an operand")
+    c_modes = list(lay.normalize_dim(A[2]))
+    if any(not str(m[1]).startswith("q") for m in c_modes):
+        raise Decline("score product contracts over something other than features")
+    head_modes = [m for m in Z if m[1] != "b"]
+    _check_tiles(head_modes + c_modes, fq, axq, "score product")
+
+    # PV product
+    plan = Plan(pv=pv, S=S, out=None, q=q, k=k, v=v, offsets=offsets, num_targets=None, N=N)
+    Y = v.layout
+    if len(Y) != 3 or _dimkey(Y[1]) != tuple(_key(m) for m in nmode):
+        raise Decline("value product does not contract over key rows of the padded sequences")
+    plan.head_modes, plan.c_modes = head_modes, c_modes
+    plan.e_modes = list(lay.normalize_dim(Y[2]))
+    if any(m[1] is None or not m[1].startswith("v") for m in plan.e_modes) or \
+            any(m[1] is None for d in Y for m in d):
+        raise Decline("value product output dims are not value features")
+    plan._Y = Y
+    plan._Z = Z
+    plan._B = B
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Score subgraph: S -> X (shape-preserving ops + mask + scale)
+
+
+def score_subgraph(plan: Plan, Xnode):
+    S = plan.S
+    Zd = plan._Z
+    N = plan.N
+    S_layout = (tuple(Zd), ((sympy.Integer(N), "i", sympy.Integer(1)),), ((sympy.Integer(N), "j", sympy.Integer(1)),))
+    order, leaves = closure([Xnode], {S})
+    sderived, layouts = {S}, {S: S_layout}
+    for n in order:
+        sd = [a for a in n.all_input_nodes if a in sderived]
+        if not sd:
+            continue
+        sderived.add(n)
+        t = n.target
+        if t in (aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default):
+            raise Decline("softmax over the scores: softmax attention is not HSTU attention")
+        if t in _SOFTMAX:
+            raise Decline(f"scores are reduced by {_name(n)} (softmax-like normalisation): not HSTU attention")
+        tags = getattr(t, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags or t is operator.getitem:
+            raise Decline(f"dropout/random op {_name(n)} on the attention weights: not modelled by hstu.attention")
+        if lay.is_layout_node(n):
+            layouts[n] = lay.apply(n, layouts[n.args[0]])
+            continue
+        if t is BMM:
+            raise Decline("scores feed another product before the value product")
+        out = _val(n)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() and t not in (aten.ne.Scalar,):
+            raise Decline(f"{_name(n)} on the scores does not give floating scores")
+        for a in sd:
+            ashape = _val(a).shape
+            if len(ashape) != len(out.shape) or not all(lay.eq(x, y) for x, y in zip(ashape, out.shape)):
+                raise Decline(f"{_name(n)} changes the shape of the scores (reduction or broadcast)")
+        keys = {tuple(_dimkey(d) for d in layouts[a]) for a in sd}
+        if len(keys) != 1:
+            raise Decline(f"{_name(n)} combines the scores with a differently laid out copy of themselves")
+        layouts[n] = layouts[sd[0]]
+    if Xnode not in sderived:
+        raise Decline("value product operand does not come from the scores")
+    return order, leaves, sderived, layouts, S_layout
+
+
+# ---------------------------------------------------------------------------------------------
+# The proof
+
+
+@dataclasses.dataclass
+class _Probe:
+    lengths: list
+    targets: Optional[list]
+    binding: dict
+    offsets: torch.Tensor
+    nt: Optional[torch.Tensor]
+
+
+_MAX_PROBE_ELEMS = 6e7   # per probe, summed over the evaluated nodes
+_PROBES = 10
+
+
+def prove(gm, S, pv) -> Plan:
+    global _UNPAD_OPS
+    if _UNPAD_OPS is None:
+        _UNPAD_OPS = _unpad_ops()
+    plan = analyse(S, pv)
+    N, B = plan.N, plan._B
+    q, k, v = plan.q, plan.k, plan.v
+
+    # ---- score subgraph structure
+    Xnode = pv.args[0]
+    s_order, s_leaves, sderived, layouts, S_layout = score_subgraph(plan, Xnode)
+    XL = layouts[Xnode]
+    if len(XL) != 3:
+        raise Decline("value product left operand is not 3-D")
+    ikey = ((str(N), "i", "1"),)
+    jkey = ((str(N), "j", "1"),)
+    if _dimkey(XL[1]) != ikey or _dimkey(XL[2]) != jkey:
+        raise Decline("value product does not contract the scores over key rows")
+    XZ = lay.normalize_dim(XL[0])
+    if sorted(map(_key, XZ)) != sorted(map(_key, plan._Z)) or any(m[1] is None for d in XL for m in d):
+        raise Decline("value product batch does not cover every (sequence, head) of the scores once")
+    YZ = lay.normalize_dim(plan._Y[0])
+    if len(YZ) != len(XZ):
+        raise Decline("scores and values are batched differently (head layouts do not pair)")
+    pair = {}
+    for mx, mv in zip(XZ, YZ):
+        if mx[1] == "b":
+            if _key(mv) != _key(mx):
+                raise Decline("scores and values pair different sequences")
+        elif mv[1] is None or not mv[1].startswith("v") or not lay.eq(mx[0], mv[0]):
+            raise Decline("scores and values pair heads of different sizes")
+        else:
+            pair[_key(mx)] = mv
+    plan.v_head_modes = [pair[_key(m)] for m in plan.head_modes]
+    fv, axv = _feature_axes(v.src, "v")
+    _check_tiles(plan.v_head_modes + plan.e_modes, fv, axv, "value product")
+
+    # side inputs of the score subgraph
+    nt, scale_leaf = None, None
+    for leaf in s_leaves:
+        if leaf is S or leaf is plan.offsets:
+            continue
+        val = _val(leaf)
+        if isinstance(val, torch.SymInt) or leaf.op == "get_attr":
+            continue
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            if val.dim() == 1 and _hint(val.shape[0]) == _hint(_val(plan.offsets).shape[0]) - 1 and nt is None \
+                    and leaf.op == "placeholder":
+                nt = leaf
+                continue
+            raise Decline(f"mask depends on input {leaf.name} of shape {tuple(val.shape)}, which is neither "
+                          f"offsets nor num_targets (data we do not model)")
+        if isinstance(val, torch.Tensor) and scale_leaf is None and (
+                val.numel() == 1 or (val.dim() == 1 and _hint(val.shape[0]) == _hint(_val(q.src).shape[0]))):
+            scale_leaf = leaf
+            continue
+        raise Decline(f"scores depend on tensor {leaf.name} of shape {tuple(getattr(val, 'shape', ()))} "
+                      f"(data we do not model)")
+    plan.num_targets = nt
+
+    # ---- output side: O -> dense -> unpad
+    Odense, o_ops, fo = walk_forward(pv)
+    if len(Odense.users) != 1:
+        raise Decline(f"attention output {Odense.name} has {len(Odense.users)} users before the unpad")
+    U = next(iter(Odense.users))
+    if U.op != "call_function" or U.target not in _UNPAD_OPS:
+        raise Decline(f"attention output is consumed by {_name(U)}, not by a recognised unpad")
+    out = U
+    if isinstance(_val(U), (tuple, list)):
+        gets = [u for u in U.users if u.target is operator.getitem and u.args[1] == 0]
+        if len(gets) != 1:
+            raise Decline("unpad output is not used as a tensor")
+        out = gets[0]
+    plan.out = out
+    OL = (layouts[Xnode][0], ((sympy.Integer(N), "i", sympy.Integer(1)),), plan._Y[2])
+    OL = _through_layout(o_ops, OL)
+    first = lay.normalize_dim(OL[0]) if OL else ()
+    bi = (_key((B, "b", sympy.Integer(1))), _key((sympy.Integer(N), "i", sympy.Integer(1))))
+    if tuple(map(_key, first)) == bi:
+        rest = OL[1:]
+    elif len(OL) >= 2 and tuple(map(_key, first)) == bi[:1] and _dimkey(OL[1]) == bi[1:]:
+        rest = OL[2:]
+    else:
+        raise Decline("dense attention output is not laid out as [B, N, ...] before the unpad")
+    out_rest = [m for d in rest for m in lay.normalize_dim(d)]
+    want = {_key(m): m for m in plan.head_modes + plan.e_modes}
+    if sorted(map(_key, out_rest)) != sorted(want) or any(m[1] is None for m in out_rest):
+        raise Decline("unpadded output features are not exactly (head, value feature)")
+    plan.out_rest = out_rest
+    rest_shape = [sym_expr(s) for s in _val(Odense).shape[len(OL) - len(rest):]]
+    out_shape = [sym_expr(s) for s in _val(out).shape]
+    if len(out_shape) != 1 + len(rest_shape) or not all(lay.eq(a, b) for a, b in zip(out_shape[1:], rest_shape)):
+        raise Decline("unpad output shape is not [L, features]")
+
+    # ---- extra users: intermediates must stay inside the candidate
+    region = set()
+    for x in (q, k, v):
+        order, _ = closure([x.D], {x.src})
+        region |= {n for n in order if _is_float(n)}
+        region |= set(x.ops)
+    region |= {n for n in sderived}
+    region |= {pv, *o_ops}
+    u_order, u_leaves = closure([out], {Odense})
+    region |= {n for n in u_order if _is_float(n) and n is not out}
+    if U is not out:
+        region.add(U)
+    for n in region:
+        for u in n.users:
+            if u not in region and u is not out and not _is_dead(u):
+                raise Decline(f"intermediate {n.name} has a user outside the attention ({u.name}); "
+                              f"rewriting would keep it alive")
+
+    # ---- numeric proof (real tensors: leave the tracing fake mode for the probes)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+            _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, Odense, u_order, u_leaves,
+                       rest_shape, fo)
+    return plan
+
+
+def _is_dead(n, depth=0) -> bool:
+    """A pure node whose result is never used (e.g. the ``detach`` autograd leaves on saved
+    tensors while tracing): it does not keep an intermediate alive."""
+    if depth > 8 or n.op != "call_function" or n.is_impure():
+        return False
+    if not (lay.is_layout_node(n) or n.target is aten.detach.default):
+        return False
+    return all(_is_dead(u, depth + 1) for u in n.users)
+
+
+def _rand(shape, gen):
+    """Random float64 probe values that are exact in float32 (ops without float64 kernels run in
+    float32 on them, exactly for data movement)."""
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(torch.float64)
+
+
+def _check_leaves(leaves, allowed, what):
+    for leaf in leaves:
+        if leaf in allowed or leaf.op == "get_attr" or isinstance(_val(leaf), torch.SymInt):
+            continue
+        raise Decline(f"{what} depends on input {leaf.name} (data we do not model)")
+
+
+def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, Odense, u_order, u_leaves,
+                   rest_shape, fo):
+    N, B = plan.N, plan._B
+    q, k, v = plan.q, plan.k, plan.v
+    Lq = sym_expr(_val(q.src).shape[0])
+    base = hints(_val(q.src), _val(plan.offsets), _val(plan.S))
+    B_static = B.free_symbols == set()
+    L_static = any(sym_expr(_val(x.src).shape[0]).free_symbols == set() for x in (q, k, v))
+    Lq = next((sym_expr(_val(x.src).shape[0]) for x in (q, k, v)
+               if sym_expr(_val(x.src).shape[0]).free_symbols == set()), Lq)
+    pads = []
+    for x in (q, k, v):
+        order, leaves = closure([x.D], {x.src})
+        _check_leaves(leaves, {x.src, plan.offsets}, f"pad of {x.src.name}")
+        pads.append((x, order))
+    _check_leaves(u_leaves, {Odense, plan.offsets}, "unpad")
+    sym_leaves = [n for n in gm.graph.nodes if isinstance(_val(n), torch.SymInt)
+                  and (n.op == "placeholder" or n.target is aten.sym_size.int)]
+
+    probes = make_probes(N, int(B) if B_static else None, int(Lq) if L_static else None, _PROBES, seed=1234)
+    rng = random.Random(99)
+    gen = torch.Generator().manual_seed(4321)
+    floats, ints = scalar_constants(s_order)
+    alphas = sorted({1.0} | {c for c in floats if c != 0} | {1.0 / c for c in floats if c != 0})
+    mask_ints = {i for i in ints if 0 < i <= N + 1}
+    chosen = None
+    for p, lengths in enumerate(probes):
+        Bp, Lp = len(lengths), sum(lengths)
+        pairs = [(sym_expr(_val(plan.offsets).shape[0]), Bp + 1)]
+        pairs += [(sym_expr(_val(x.src).shape[0]), Lp) for x in (q, k, v)]
+        if scale_leaf is not None and _val(scale_leaf).dim() == 1 and _val(scale_leaf).numel() != 1:
+            pairs.append((sym_expr(_val(scale_leaf).shape[0]), Lp))
+        if plan.num_targets is not None:
+            pairs.append((sym_expr(_val(plan.num_targets).shape[0]), Bp))
+        binding = solve_binding(pairs, base)
+        off = torch.tensor([0] + list(itertools_accumulate(lengths)), dtype=_val(plan.offsets).dtype)
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        env0 = {plan.offsets: off}
+        for s in sym_leaves:
+            try:
+                env0[s] = concrete(_val(s), binding)
+            except Decline:
+                pass
+        targets = None
+        if plan.num_targets is not None:
+            targets = torch.tensor(make_targets(lengths, rng, p), dtype=_val(plan.num_targets).dtype)
+            env0[plan.num_targets] = targets
+        cost = 0
+        for n in [*s_order, *u_order, *(n for _, order in pads for n in order)]:
+            val = _val(n)
+            if isinstance(val, torch.Tensor):
+                cost += math.prod(concrete(s, binding) for s in val.shape)
+        if cost > _MAX_PROBE_ELEMS:
+            raise Decline(f"too large to prove numerically at these static sizes ({cost:.2g} elements per probe); "
+                          f"dynamic batch sizes (mark_dynamic) allow a reduced-batch proof")
+
+        # pads
+        for x, order in pads:
+            shape = [concrete(s, binding) for s in _val(x.src).shape]
+            src = _rand(shape, gen)
+            env = evaluate(gm, order, {**env0, x.src: src})
+            got = env[x.D]
+            ref = reference_pad(src, off, N)
+            if got.numel() != ref.numel() or not torch.equal(got.reshape(-1).to(torch.float64), ref.reshape(-1)):
+                raise Decline(f"pad of {x.src.name} is not jagged_to_padded(offsets, N={N}) with zero padding")
+
+        # scores -> X
+        Sc = lay.concretize(S_layout, binding)
+        Sshape = [concrete(s, binding) for s in _val(plan.S).shape]
+        crdS = lay.coords(Sc, Sshape)
+        in_seq_S = (crdS["i"] < lens[crdS["b"]]) & (crdS["j"] < lens[crdS["b"]])
+        S_probe = _rand(Sshape, gen) * in_seq_S
+        env = dict(env0)
+        env[plan.S] = S_probe
+        scale_probe = None
+        if scale_leaf is not None:
+            sshape = [concrete(s, binding) for s in _val(scale_leaf).shape]
+            scale_probe = torch.rand(sshape, generator=gen, dtype=torch.float64) + 0.5
+            env[scale_leaf] = scale_probe
+        env = evaluate(gm, s_order, env)
+        X = env[plan.pv.args[0]]
+        XLc = lay.concretize(layouts[plan.pv.args[0]], binding)
+        crd = lay.coords(XLc, list(X.shape))
+        bb, ii, jj = crd["b"], crd["i"], crd["j"]
+        n_b = lens[bb]
+        in_seq = ((ii < n_b) & (jj < n_b)).expand(X.shape)
+        S_at = lay.gather(S_probe, Sc, crd).expand(X.shape)
+        if not bool(torch.isfinite(X).all()):
+            raise Decline("scores are not finite on padding positions (e.g. -inf masking)")
+        if scale_probe is None:
+            s_at = torch.ones((), dtype=torch.float64)
+        elif scale_probe.numel() == 1:
+            s_at = scale_probe.reshape(())
+        else:
+            s_at = lay.gather(reference_pad(scale_probe, off, N), (((Bp, "b", 1),), ((N, "i", 1),)),
+                              crd).expand(X.shape)
+        if chosen is None:
+            chosen = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, N, alphas, mask_ints,
+                          plan.num_targets is not None)
+        alpha, c0, params = chosen
+        mref = reference_mask(lens, N, targets, params)[bb, ii, jj].expand(X.shape)
+        expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
+        if not close(torch.where(in_seq, X, 0.0), torch.where(in_seq, expect, 0.0)):
+            raise Decline(f"scores differ from mask * scale * silu(alpha * qk) on probe {p} (lengths {lengths})")
+
+        # unpad
+        Oshape = [concrete(s, binding) for s in _val(Odense).shape]
+        O_probe = _rand(Oshape, gen)
+        env = evaluate(gm, u_order, {**env0, Odense: O_probe})
+        got = env[plan.out]
+        rest = [concrete(s, binding) for s in rest_shape]
+        flat = O_probe.reshape(Bp * N, *rest)
+        seq = torch.repeat_interleave(torch.arange(Bp), lens)
+        pos = torch.arange(Lp) - off[:-1].to(torch.int64)[seq]
+        if not (got.shape == (Lp, *rest) and torch.equal(got.to(torch.float64), flat[seq * N + pos])):
+            raise Decline("unpad does not read row (b, n) of the dense output for every jagged row")
+
+    alpha, c0, params = chosen
+    plan.alpha = float(alpha * q.factor * k.factor)
+    plan.params = params
+    factor = c0 * v.factor * fo
+    if scale_leaf is None:
+        plan.scale = None if abs(factor * N - 1.0) <= 1e-9 else float(factor)
+    else:
+        plan.scale_node, plan.scale_factor = scale_leaf, float(factor)
+
+
+def itertools_accumulate(xs):
+    acc = 0
+    for x in xs:
+        acc += x
+        yield acc
+
+
+def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, N, alphas, mask_ints, has_targets):
+    """Find (alpha, c0, mask params) with X == mask * c0 * s * silu(alpha S) on in-sequence positions."""
+    obs = (X != 0) & in_seq
+    # mask parameters: cheap filter on a sample, then the full reference mask
+    flat_idx = torch.nonzero(in_seq.reshape(-1)).reshape(-1)
+    if flat_idx.numel() == 0:
+        raise Decline("probe has no in-sequence positions")
+    if flat_idx.numel() > 200000:
+        flat_idx = flat_idx[torch.randperm(flat_idx.numel(), generator=torch.Generator().manual_seed(0))[:200000]]
+    b_s, i_s, j_s = (t.expand(X.shape).reshape(-1)[flat_idx] for t in (bb, ii, jj))
+    o_s = obs.reshape(-1)[flat_idx]
+    params = None
+    for cand in mask_candidates(mask_ints, N, has_targets):
+        causal, w, c, f = cand
+        if torch.equal(valid_at(b_s, i_s, j_s, lens, targets, w, c, f, causal), o_s):
+            full = reference_mask(lens, N, targets, cand)[bb, ii, jj].expand(X.shape)
+            if torch.equal(full & in_seq, obs):
+                params = cand
+                break
+    if params is None:
+        causal_like = bool((obs & (jj > ii).expand(X.shape)).any())
+        what = "has entries above the diagonal (not causal)" if causal_like else "matches no HSTU mask"
+        raise Decline(f"attention mask {what} for any (max_attn_len, contextual_seq_len, "
+                      f"min_full_attn_seq_len) taken from the graph's constants")
+    sel = obs
+    for a in alphas:
+        ratio = X[sel] / (s_at.expand(X.shape)[sel] * silu(a * S_at[sel]))
+        if ratio.numel() == 0:
+            continue
+        c0 = float(ratio.mean())
+        if c0 != 0 and bool(torch.allclose(ratio, torch.full_like(ratio, c0), rtol=1e-9, atol=0)):
+            return a, c0, params
+    raise Decline("scores are not scale * silu(alpha * qk) for any alpha among the graph's constants "
+                  "(other activation or normalisation?)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewrite
+
+
+def _fake_call(target, args, kwargs=None):
+    def m(a):
+        if isinstance(a, torch.fx.Node):
+            return a.meta.get("val")
+        if isinstance(a, (list, tuple)):
+            return type(a)(m(x) for x in a)
+        return a
+    try:
+        return target(*m(args), **m(kwargs or {}))
+    except Exception:
+        return None
+
+
+def _emit(graph, target, args, kwargs=None):
+    node = graph.call_function(target, tuple(args), kwargs or {})
+    val = _fake_call(target, args, kwargs)
+    if val is not None:
+        node.meta["val"] = val
+    return node
+
+
+def _flat_stride(m, sizes, prefix):
+    axis = int(m[1][len(prefix):])
+    return int(m[2]) * math.prod(sizes[axis + 1:])
+
+
+def _regroup(graph, src, sizes, prefix, groups):
+    """``src [L, *sizes]`` -> ``[L, prod(g) for g in groups]`` with the feature digits of each
+    group (modes over axes ``prefix<k>``) in the given order."""
+    modes = [m for g in groups for m in g]
+    order = sorted(range(len(modes)), key=lambda i: -_flat_stride(modes[i], sizes, prefix))
+    view_sizes = [int(modes[i][0]) for i in order]
+    x = _reshape(graph, src, view_sizes)
+    perm = [order.index(i) + 1 for i in range(len(modes))]
+    if perm != sorted(perm):
+        x = _emit(graph, aten.permute.default, [x, [0, *perm]])
+    return _reshape(graph, x, [math.prod(int(m[0]) for m in g) for g in groups])
+
+
+def _reshape(graph, x, feature_sizes):
+    """``x.reshape(-1, *feature_sizes)``, or ``x`` itself when it already has those sizes."""
+    val = _val(x)
+    if isinstance(val, torch.Tensor) and val.dim() == 1 + len(feature_sizes) and all(
+            is_static(a) and int(a) == b for a, b in zip(val.shape[1:], feature_sizes)):
+        return x
+    return _emit(graph, aten.reshape.default, [x, [-1, *feature_sizes]])
+
+
+def rewrite(gm, plan: Plan):
+    graph = gm.graph
+    q, k, v = plan.q, plan.k, plan.v
+    fq = [int(s) for s in _val(q.src).shape[1:]]
+    fv = [int(s) for s in _val(v.src).shape[1:]]
+    with graph.inserting_before(plan.out):
+        q3 = _regroup(graph, q.src, fq, "q", [plan.head_modes, plan.c_modes])
+        k3 = q3 if k.src is q.src else _regroup(graph, k.src, fq, "q", [plan.head_modes, plan.c_modes])
+        v3 = _regroup(graph, v.src, fv, "v", [plan.v_head_modes, plan.e_modes])
+        scale = None
+        dtype = _val(q.src).dtype
+        if plan.scale_node is not None:
+            scale = plan.scale_node
+            if _val(scale).dtype != dtype:
+                scale = _emit(graph, aten._to_copy.default, [scale], {"dtype": dtype})
+            if plan.scale_factor != 1.0:
+                scale = _emit(graph, aten.mul.Tensor, [scale, plan.scale_factor])
+        elif plan.scale is not None:
+            scale = _emit(graph, aten.scalar_tensor.default, [plan.scale],
+                          {"dtype": dtype, "device": _val(q.src).device})
+        causal, w, c, f = plan.params
+        y = _emit(graph, torch.ops.hstu.attention.default,
+                  [q3, k3, v3, plan.offsets, plan.N, plan.alpha, plan.num_targets, scale, w, c, f, causal])
+        heads = [int(m[0]) for m in plan.head_modes]
+        es = [int(m[0]) for m in plan.e_modes]
+        ymodes = list(plan.head_modes) + list(plan.e_modes)
+        ykeys = [_key(m) for m in ymodes]
+        perm = [ykeys.index(_key(m)) + 1 for m in plan.out_rest]
+        x = _reshape(graph, y, [*heads, *es])
+        if perm != sorted(perm):
+            x = _emit(graph, aten.permute.default, [x, [0, *perm]])
+        out_val = _val(plan.out)
+        x = _reshape(graph, x, [int(s) for s in out_val.shape[1:]])
+        if out_val.dtype != dtype:
+            x = _emit(graph, aten._to_copy.default, [x], {"dtype": out_val.dtype})
+    plan.out.replace_all_uses_with(x)
+
+
+def describe(plan: Plan) -> str:
+    causal, w, c, f = plan.params
+    parts = [f"N={plan.N}", f"alpha={plan.alpha:g}", f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
+    if plan.scale_node is not None:
+        parts.append(f"attn_scale={plan.scale_node.name}" + (f"*{plan.scale_factor:g}" if plan.scale_factor != 1 else ""))
+    elif plan.scale is not None:
+        parts.append(f"scale={plan.scale:g}")
+    else:
+        parts.append("scale=1/N")
+    if plan.num_targets is not None:
+        parts.append(f"num_targets={plan.num_targets.name}")
+    if not causal:
+        parts.append("causal=False")
+    if w:
+        parts.append(f"max_attn_len={w}")
+    if c:
+        parts.append(f"contextual_seq_len={c}")
+    if f:
+        parts.append(f"min_full_attn_seq_len={f}")
+    pads = sorted({_name(x.D) for x in (plan.q, plan.k, plan.v)})
+    return f"silu attention ({', '.join(parts)}; pad via {'/'.join(pads)}, unpad via {_name(plan.out)})"
+
+
+@register("attention")
+def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
+    """Replace every proven jagged silu attention in ``gm`` by ``hstu.attention`` (in place)."""
+    consumed = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not BMM or node in consumed or not node.users:
+            continue
+        try:
+            S = find_score_product(node)
+        except Exception:  # malformed metadata: not a candidate
+            S = None
+        if S is None or S in consumed:
+            continue
+        try:
+            plan = prove(gm, S, node)
+        except (Decline, lay.LayoutError) as e:
+            report.near_misses.append(("attention", f"{node.name}: {e}"))
+            continue
+        except Exception as e:
+            if config.strict:
+                raise
+            log.exception("hstu_inductor: attention prover failed on %s", node.name)
+            report.near_misses.append(("attention", f"{node.name}: prover error {type(e).__name__}: {e}"))
+            continue
+        rewrite(gm, plan)
+        consumed |= {node, S}
+        report.counts["attention"] += 1
+        report.details.append(("attention", describe(plan)))

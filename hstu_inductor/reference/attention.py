@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .jagged import _is_concrete, jagged_to_padded, require, lengths_from_offsets, padded_to_jagged, validate_jagged
 from .mask import hstu_mask
 
-__all__ = ["hstu_mha", "delta_hstu_mha", "validate_attention_inputs"]
+__all__ = ["hstu_mha", "hstu_mha_backward", "delta_hstu_mha", "validate_attention_inputs"]
 
 
 def validate_attention_inputs(
@@ -26,6 +26,7 @@ def validate_attention_inputs(
     contextual_seq_len: int = 0,
     min_full_attn_seq_len: int = 0,
     num_query_rows: int | None = None,
+    causal: bool = True,
 ) -> None:
     """Shape/dtype/device agreement of q, k, v and the jagged metadata, with clear messages."""
     require(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, lambda: "q, k, v must be [L, H, D]")
@@ -39,13 +40,17 @@ def validate_attention_inputs(
     require(q.is_floating_point(), lambda: f"q, k, v must be floating point, got {q.dtype}")
     devices = {t.device for t in (q, k, v, seq_offsets)}
     require(len(devices) == 1, lambda: f"q, k, v and seq_offsets must be on one device, got {devices}")
-    require(max_seq_len >= 0, lambda: f"max_seq_len must be >= 0, got {max_seq_len}")
+    require(max_seq_len >= 1, lambda: f"max_seq_len must be >= 1, got {max_seq_len}")
     for name, val in (
         ("max_attn_len", max_attn_len),
         ("contextual_seq_len", contextual_seq_len),
         ("min_full_attn_seq_len", min_full_attn_seq_len),
     ):
         require(val >= 0, lambda: f"{name} must be >= 0, got {val}")
+    require(causal or (num_targets is None and max_attn_len == 0 and contextual_seq_len == 0
+                       and min_full_attn_seq_len == 0),
+            lambda: "causal=False means full attention inside each sequence; num_targets, max_attn_len, "
+                    "contextual_seq_len and min_full_attn_seq_len must then be unset/0")
     if num_query_rows is None:
         require(q.shape[0] == k.shape[0], lambda: "q and k must have the same number of rows L")
     if attn_scale is not None:
@@ -99,7 +104,7 @@ def hstu_mha(
     """
     validate_attention_inputs(
         q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale,
-        max_attn_len, contextual_seq_len, min_full_attn_seq_len,
+        max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal=causal,
     )
     N, L = max_seq_len, q.shape[0]
     pad = lambda t: jagged_to_padded(t, seq_offsets, N)  # noqa: E731
@@ -111,6 +116,54 @@ def hstu_mha(
     p = _scores(pad(q), pad(k), alpha, scale, valid, dropout_pr, training)
     out = torch.einsum("bhij,bjhd->bihd", p, pad(v))
     return padded_to_jagged(out, seq_offsets, L)
+
+
+def hstu_mha_backward(
+    grad: torch.Tensor,
+    max_seq_len: int,
+    alpha: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    attn_scale: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+    min_full_attn_seq_len: int = 0,
+    need_scale_grad: bool = False,
+):
+    """Closed-form gradients of :func:`hstu_mha` (no dropout): ``(dq, dk, dv, d_attn_scale)``.
+
+    With ``A = alpha * q k^T`` and ``P = valid * silu(A) * s``: ``dv = P^T g``, ``dP = g v^T``,
+    ``dA = dP * valid * s * silu'(A)``, ``dq = alpha dA k``, ``dk = alpha dA^T q`` and
+    ``ds_i = sum_{h,j} dP * valid * silu(A)`` (summed over all rows for a scalar ``s``).
+    ``d_attn_scale`` is None unless ``need_scale_grad``.
+    """
+    N, L = max_seq_len, q.shape[0]
+    pad = lambda t: jagged_to_padded(t, seq_offsets, N)  # noqa: E731
+    unpad = lambda t: padded_to_jagged(t, seq_offsets, L)  # noqa: E731
+    valid = hstu_mask(
+        lengths_from_offsets(seq_offsets), N, num_targets, max_attn_len,
+        contextual_seq_len, min_full_attn_seq_len, causal,
+    ).unsqueeze(1).to(q.dtype)  # [B, 1, N, N]
+    scale = _row_scale(attn_scale, seq_offsets, N, pad)
+    qp, kp, vp, gp = pad(q), pad(k), pad(v), pad(grad)
+    a = alpha * torch.einsum("bihd,bjhd->bhij", qp, kp)
+    sig = torch.sigmoid(a)
+    silu = a * sig
+    p = silu * scale * valid
+    dv = torch.einsum("bhij,bihd->bjhd", p, gp)
+    dp = torch.einsum("bihd,bjhd->bhij", gp, vp) * valid
+    da = dp * scale * (sig * (1 + a * (1 - sig)))
+    dq = alpha * torch.einsum("bhij,bjhd->bihd", da, kp)
+    dk = alpha * torch.einsum("bhij,bihd->bjhd", da, qp)
+    d_scale = None
+    if need_scale_grad:
+        per_row = (dp * silu).sum(dim=(1, 3))  # [B, N]
+        d_scale = per_row.sum().reshape(attn_scale.shape) if attn_scale.numel() == 1 else unpad(per_row)
+    return unpad(dq), unpad(dk), unpad(dv), d_scale
 
 
 def delta_hstu_mha(

@@ -14,6 +14,11 @@ from torch import nn
 from .attention import hstu_mha
 from .jagged import row_to_sequence
 
+def _stats(t):
+    """Normalisation statistics dtype: fp32, or the input's own when wider (fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 __all__ = ["stu_preprocess", "stu_output", "stu_layer", "STULayer", "HSTUModel"]
 
 
@@ -23,7 +28,7 @@ def stu_preprocess(x, ln_weight, ln_bias, w_uvqk, b_uvqk, num_heads, attn_dim, h
     ``u: [L, H*Dv]`` (activated); ``v: [L, H, Dv]``; ``q, k: [L, H, Dq]``.
     """
     L = x.shape[0]
-    normed = F.layer_norm(x.float(), (x.shape[-1],), ln_weight.float(), ln_bias.float(), eps).to(x.dtype)
+    normed = F.layer_norm(_stats(x), (x.shape[-1],), _stats(ln_weight), _stats(ln_bias), eps).to(x.dtype)
     uvqk = torch.addmm(b_uvqk, normed, w_uvqk) if b_uvqk is not None else normed @ w_uvqk
     if silu_all:
         uvqk = F.silu(uvqk)
@@ -37,12 +42,12 @@ def stu_preprocess(x, ln_weight, ln_bias, w_uvqk, b_uvqk, num_heads, attn_dim, h
 def stu_output(attn, u, x, norm_weight, norm_bias, w_o, b_o, num_heads, eps=1e-6, concat_ua=False,
                group_norm=False, dropout_ratio=0.0, training=False):
     """``x + (u * Norm(attn) [concat u, attn]) @ W_o (+ b_o)``; ``attn: [L, H*Dv]``."""
-    a32 = attn.float()
+    a32 = _stats(attn)
     if group_norm:
         # [L, H*Dv] as [N=L, C=H*Dv]: H groups of Dv contiguous channels = per-head normalisation.
-        normed = F.group_norm(a32, num_heads, norm_weight.float(), norm_bias.float(), eps)
+        normed = F.group_norm(a32, num_heads, _stats(norm_weight), _stats(norm_bias), eps)
     else:
-        normed = F.layer_norm(a32, (attn.shape[-1],), norm_weight.float(), norm_bias.float(), eps)
+        normed = F.layer_norm(a32, (attn.shape[-1],), _stats(norm_weight), _stats(norm_bias), eps)
     y = u * normed.to(attn.dtype)
     if concat_ua:
         y = torch.cat([u, attn, y], dim=1)

@@ -1,0 +1,330 @@
+"""Numerical prover for pattern candidates: evaluate extracted subgraphs on fresh probe inputs.
+
+The attention rewriter (``attention.py``) splits a candidate into pieces whose meaning is fixed
+by the jagged semantics (pad, score function, unpad) and checks each piece here by running the
+*user's own ATen nodes* on random probe inputs and comparing with the semantic reference
+(``hstu_inductor.reference``). Pieces:
+
+* :func:`closure` / :func:`evaluate`: the backward closure of some nodes, cut at chosen leaves,
+  executed eagerly (floating dtypes promoted to float64, every device mapped to CPU, SymInts
+  bound to the probe's sizes).
+* :func:`make_probes`: random jagged lengths in ``[0, N]`` (including 0, 1 and N), random
+  ``num_targets`` in ``[0, n_b]``; sizes fixed where the graph is static, small where symbolic.
+* :func:`mask_candidates` / :func:`valid_at`: the candidate mask parameters, filtered cheaply,
+  confirmed on the full reference mask (``reference.hstu_mask``).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import random
+from typing import Iterable, Optional
+
+import sympy
+import torch
+
+from ..reference import hstu_mask, jagged_to_padded
+
+aten = torch.ops.aten
+
+
+class Decline(Exception):
+    """A candidate is not (provably) HSTU attention; the message is the near-miss reason."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Subgraph closure and evaluation
+
+
+def closure(outputs: Iterable[torch.fx.Node], leaves: set) -> tuple[list, set]:
+    """Nodes needed to compute ``outputs`` when ``leaves`` are given. Returns ``(nodes in graph
+    order, leaf nodes reached)``; placeholders, get_attr nodes and ``sym_size`` reads are leaves
+    too (a size read is a SymInt like a size placeholder: export graphs spell L that way)."""
+    seen, reached = set(), set()
+    stack = list(outputs)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in leaves or n.op in ("placeholder", "get_attr") or n.target is aten.sym_size.int:
+            reached.add(n)
+            continue
+        for a in n.all_input_nodes:
+            stack.append(a)
+    order = [n for n in next(iter(outputs)).graph.nodes if n in seen and n not in reached]
+    return order, reached
+
+
+def _to_probe(x):
+    if isinstance(x, torch.dtype) and x.is_floating_point:
+        return torch.float64
+    if isinstance(x, torch.device):
+        return torch.device("cpu")
+    return x
+
+
+_SKIP = {aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}
+
+
+def _no_double(target) -> bool:
+    ns = getattr(target, "namespace", None) or getattr(getattr(target, "_schema", None), "name", "").split("::")[0]
+    return ns == "fbgemm"
+
+
+def evaluate(gm: torch.fx.GraphModule, order: list, env: dict) -> dict:
+    """Run ``order`` (graph order) eagerly on ``env`` (node -> concrete value); returns env."""
+    env = dict(env)
+
+    def load(a):
+        if isinstance(a, torch.fx.Node):
+            if a not in env:
+                if a.op == "get_attr":
+                    obj = gm
+                    for part in a.target.split("."):
+                        obj = getattr(obj, part)
+                    env[a] = obj.detach().to("cpu").to(torch.float64) if obj.is_floating_point() else obj.cpu()
+                else:
+                    raise Decline(f"probe evaluation reached an unbound input {a.name}")
+            return env[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(load(x) for x in a)
+        if isinstance(a, dict):
+            return {k: load(v) for k, v in a.items()}
+        return _to_probe(a)
+
+    for n in order:
+        if n.op != "call_function":
+            raise Decline(f"cannot evaluate {n.op} node {n.name}")
+        if n.target in _SKIP:
+            continue
+        if n.target is aten.empty.memory_format or n.target is aten.new_empty.default or \
+                n.target is aten.empty_like.default:
+            raise Decline(f"uninitialised tensor {n.name} in the candidate")
+        args, kwargs = load(n.args), load(n.kwargs)
+        try:
+            if _no_double(n.target):  # e.g. fbgemm CPU kernels: run in float32, exact for data movement
+                down = lambda a: a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.float64 else a  # noqa
+                args = torch.utils._pytree.tree_map(down, args)
+                res = n.target(*args, **kwargs)
+                env[n] = torch.utils._pytree.tree_map(
+                    lambda a: a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a, res)
+            else:
+                env[n] = n.target(*args, **kwargs)
+        except Decline:
+            raise
+        except Exception as e:  # shape mismatch at probe sizes: the subgraph is not size-generic
+            raise Decline(f"could not evaluate {n.name} ({getattr(n.target, '__name__', n.target)}) on a probe: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0][:120]}") from e
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Symbolic sizes
+
+
+def sym_expr(x):
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    return sympy.Integer(int(x))
+
+
+def _env_hints(shape_env) -> dict:
+    table = getattr(shape_env, "backed_var_to_val", None)  # torch >= 2.13
+    if table is None:
+        table = shape_env.var_to_val
+    return {k: int(v) for k, v in table.items()}
+
+
+def hints(*vals) -> dict:
+    """Symbol -> hint value for every symbol in the shape env of ``vals``."""
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            for s in v.shape:
+                if isinstance(s, torch.SymInt):
+                    return _env_hints(s.node.shape_env)
+        if isinstance(v, torch.SymInt):
+            return _env_hints(v.node.shape_env)
+    return {}
+
+
+def solve_binding(pairs: list, base: dict) -> dict:
+    """Extend ``base`` (symbol -> int) so that every ``expr == value`` in ``pairs`` holds."""
+    binding = dict(base)
+    for expr, value in pairs:
+        expr = sym_expr(expr) if not isinstance(expr, sympy.Expr) else expr
+        free = list(expr.free_symbols)
+        if not free:
+            if int(expr) != value:
+                raise Decline(f"static size {expr} cannot take probe value {value}")
+            continue
+        if len(free) != 1:
+            raise Decline(f"size {expr} has several symbols")
+        sol = sympy.solve(sympy.Eq(expr, value), free[0])
+        if len(sol) != 1 or not sol[0].is_Integer:
+            raise Decline(f"cannot bind {expr} = {value}")
+        binding[free[0]] = int(sol[0])
+    return binding
+
+
+def concrete(x, binding: dict) -> int:
+    e = sym_expr(x).subs(binding) if not isinstance(x, sympy.Expr) else x.subs(binding)
+    if not e.is_Integer:
+        raise Decline(f"unbound size {e}")
+    return int(e)
+
+
+def is_static(x) -> bool:
+    return not isinstance(x, torch.SymInt) or sym_expr(x).is_Integer
+
+
+# ---------------------------------------------------------------------------------------------
+# Probes
+
+
+def _composition(total: int, bins: int, cap: int, rng: random.Random, want: list) -> list:
+    """Random lengths in [0, cap] summing to ``total``; tries to include the values in ``want``."""
+    lengths = [0] * bins
+    order = list(range(bins))
+    rng.shuffle(order)
+    remaining = total
+    for slot, w in zip(order, want):
+        take = min(w, cap, remaining)
+        lengths[slot] = take
+        remaining -= take
+    while remaining > 0:
+        free = [b for b in range(bins) if lengths[b] < cap]
+        if not free:
+            raise Decline("static total length exceeds B * N")
+        b = rng.choice(free)
+        add = min(cap - lengths[b], remaining, rng.randint(1, max(1, cap)))
+        lengths[b] += add
+        remaining -= add
+    return lengths
+
+
+def make_probes(N: int, B: Optional[int], L: Optional[int], count: int, seed: int = 0) -> list:
+    """Probe length lists: ``B``/``L`` None means free (symbolic in the graph).
+
+    Covers n in {0, 1, N} where the sizes allow, and random lengths otherwise.
+    """
+    rng = random.Random(seed)
+    probes = []
+    edge_sets = [[N, 0, 1], [1, N, N - 1], [0, N // 2 + 1, 2], [N, N, 0]]
+    for p in range(count):
+        want = edge_sets[p % len(edge_sets)] if p < 2 * len(edge_sets) else []
+        b = B if B is not None else [3, 2, 4, 3][p % 4]
+        if L is None:
+            lengths = [rng.randint(0, N) for _ in range(b)]
+            for slot, w in enumerate(want[:b]):
+                lengths[(slot + p) % b] = w
+            if sum(lengths) < 2:  # symbolic sizes are >= 2 (0/1 are specialised by Dynamo)
+                lengths[0] = max(2, lengths[0]) if N >= 2 else lengths[0]
+                if sum(lengths) < 2:
+                    lengths[-1] = N
+        else:
+            if L > b * N:
+                raise Decline(f"L={L} > B*N={b * N}")
+            lengths = _composition(L, b, N, rng, want)
+        probes.append(lengths)
+    return probes
+
+
+def make_targets(lengths: list, rng: random.Random, p: int) -> list:
+    out = []
+    for i, n in enumerate(lengths):
+        pick = (p + i) % 4
+        out.append([0, n, min(1, n), rng.randint(0, n)][pick])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask semantics
+
+
+def valid_at(b, i, j, lengths, targets, w, c, f, causal):
+    """``valid(i, j)`` of HSTU_SEMANTICS.md at index tensors ``b, i, j`` (vectorised; used to
+    filter candidate parameters cheaply before the full check against ``reference.hstu_mask``)."""
+    n = lengths[b]
+    in_seq = (i < n) & (j < n)
+    if not causal:
+        return in_seq
+    if c > 0:
+        pi_i, pi_j, end = (i - c + 1).clamp(min=0), (j - c + 1).clamp(min=0), n - c + 1
+    else:
+        pi_i, pi_j, end = i, j, n
+    if targets is not None:
+        end = end - targets[b]
+        pi_i, pi_j = torch.minimum(pi_i, end), torch.minimum(pi_j, end)
+    d = pi_i - pi_j
+    valid = (i == j) | (d > 0)
+    if w > 0:
+        win = d <= w
+        if f > 0:
+            win = win | (pi_i >= end - f)
+        valid = valid & win
+    if c > 0:
+        valid = valid | ((pi_i == 0) & (pi_j < end))
+    return valid & in_seq
+
+
+def mask_candidates(ints: set, N: int, has_targets: bool) -> list:
+    """Candidate ``(causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len)`` tuples:
+    0 and the integer constants of the mask subgraph (and their neighbours, for ``<`` vs ``<=``)."""
+    near = sorted({v for k in ints for v in (k - 1, k, k + 1) if 1 <= v <= N})
+    out = [(True, 0, 0, 0)]
+    if not has_targets:
+        out.append((False, 0, 0, 0))
+    for w, c in itertools.product([0] + near, [0] + near):
+        for f in ([0] + near if w > 0 else [0]):
+            if (w, c, f) != (0, 0, 0):
+                out.append((True, w, c, f))
+    return out
+
+
+def reference_mask(lengths: torch.Tensor, N: int, targets, params) -> torch.Tensor:
+    causal, w, c, f = params
+    return hstu_mask(lengths, N, targets, w, c, f, causal)
+
+
+def reference_pad(values: torch.Tensor, offsets: torch.Tensor, N: int) -> torch.Tensor:
+    return jagged_to_padded(values, offsets, N)
+
+
+def silu(x):
+    return x * torch.sigmoid(x)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rtol=1e-9, atol=1e-12) -> bool:
+    if a.shape != b.shape:
+        return False
+    return bool(torch.allclose(a.to(torch.float64), b.to(torch.float64), rtol=rtol, atol=atol))
+
+
+def scalar_constants(nodes: Iterable[torch.fx.Node]) -> tuple[set, set]:
+    """(float constants, int constants) appearing as plain arguments of ``nodes``."""
+    floats, ints = set(), set()
+
+    def visit(a):
+        if isinstance(a, bool):
+            return
+        if isinstance(a, float) and math.isfinite(a):
+            floats.add(a)
+        elif isinstance(a, int) and abs(a) < 2 ** 31:
+            ints.add(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+
+    for n in nodes:
+        for a in list(n.args) + list(n.kwargs.values()):
+            visit(a)
+    return floats, ints
+
+
+def numel_cost(shapes: Iterable) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+_ = operator  # (operator.* SymInt nodes are evaluated through their targets)

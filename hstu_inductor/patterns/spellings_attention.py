@@ -1,0 +1,337 @@
+"""Spellings of jagged silu attention that the "attention" rewriter recognises: the pattern table.
+
+Every function here is plain PyTorch, written the way a user might write HSTU attention. They are
+both the documentation of what is matched and the test corpus (``tests/patterns``). The matcher
+does **not** enumerate them: it proves the semantics of whatever subgraph it finds (see
+``attention.py``), so mixes of these spellings (any pad x any product x any mask) match too.
+
+Signature of every spelling: ``fn(q, k, v, offsets, num_targets=None, attn_scale=None)`` with
+``q, k: [L, H, D]`` (or ``[L, H*D]`` where noted), ``v: [L, H, Dv]``, returning ``[L, H, Dv]``
+(or ``[L, H*Dv]``). ``N`` (max_seq_len) and ``ALPHA`` are module constants, as they are in models.
+
+``NEAR_MISSES`` lists functions that look like HSTU attention but are not (or are not provably);
+the rewriter must leave them alone and report why.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..reference import hstu_mha
+
+N = 8
+ALPHA = 0.5
+CONTEXT = 2
+WINDOW = 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared pieces (plain torch; users write these in countless ways)
+
+def _row_ids(offsets, total):
+    """Sequence index and position of every jagged row (searchsorted spelling)."""
+    rows = torch.arange(total, device=offsets.device)
+    seq = torch.searchsorted(offsets, rows, right=True) - 1
+    return seq, rows - offsets[seq]
+
+
+def _row_ids_repeat(offsets, total):
+    """Sequence index and position of every jagged row (repeat_interleave spelling)."""
+    lengths = offsets[1:] - offsets[:-1]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
+                                  output_size=total)
+    return seq, torch.arange(total, device=offsets.device) - offsets[:-1][seq]
+
+
+def _pad_index_put(x, offsets):
+    """[L, ...] -> [B, N, ...] with index_put into zeros."""
+    B = offsets.numel() - 1
+    seq, pos = _row_ids_repeat(offsets, x.shape[0])
+    out = x.new_zeros((B, N, *x.shape[1:]))
+    return torch.index_put(out, (seq, pos), x)
+
+
+def _pad_index_copy(x, offsets):
+    """[L, F] -> [B*N, F] with index_copy of flat rows b*N + p."""
+    B = offsets.numel() - 1
+    seq, pos = _row_ids(offsets, x.shape[0])
+    return x.new_zeros((B * N, x.shape[1])).index_copy(0, seq * N + pos, x)
+
+
+def _pad_scatter(x, offsets):
+    """[L, F] -> [B*N, F] with scatter on an expanded row index."""
+    B = offsets.numel() - 1
+    seq, pos = _row_ids_repeat(offsets, x.shape[0])
+    idx = (seq * N + pos).unsqueeze(1).expand(-1, x.shape[1])
+    return torch.zeros(B * N, x.shape[1], dtype=x.dtype, device=x.device).scatter(0, idx, x)
+
+
+def _pad_gather_cumsum(x, offsets):
+    """[L, H, D] -> [B, N, H, D]: gather rows offsets[b] + p (cumsum-free arange trick) and zero
+    the padding with a multiply."""
+    lengths = offsets[1:] - offsets[:-1]
+    pos = torch.arange(N, device=x.device)
+    valid = pos[None, :] < lengths[:, None]
+    rows = (offsets[:-1, None] + pos[None, :]).clamp(max=x.shape[0] - 1)
+    out = x.index_select(0, rows.reshape(-1)).view(lengths.numel(), N, *x.shape[1:])
+    return out * valid.view(*valid.shape, *([1] * (x.dim() - 1))).to(x.dtype)
+
+
+def _unpad_index(dense, offsets, total):
+    """[B, N, ...] -> [L, ...] with advanced indexing."""
+    seq, pos = _row_ids(offsets, total)
+    return dense[seq, pos]
+
+
+def _unpad_index_select(dense_flat, offsets, total):
+    """[B*N, ...] -> [L, ...] with index_select of flat rows."""
+    seq, pos = _row_ids_repeat(offsets, total)
+    return dense_flat.index_select(0, seq * N + pos)
+
+
+def _causal_mask_arange(offsets):
+    """[B, N, N] bool: j <= i and both in the sequence (arange comparisons)."""
+    lengths = offsets[1:] - offsets[:-1]
+    i = torch.arange(N, device=offsets.device)
+    ok = (i[:, None] >= i[None, :])[None] & (i[None, None, :] < lengths[:, None, None])
+    return ok & (i[None, :, None] < lengths[:, None, None])
+
+
+def _ids(offsets, num_targets=None, contextual=0):
+    """Position ids per HSTU: contextual prefix collapses to 0, targets share the last id."""
+    lengths = offsets[1:] - offsets[:-1]
+    p = torch.arange(N, device=offsets.device)[None, :]
+    if contextual > 0:
+        ids = torch.clamp(p - contextual + 1, min=0)
+        end = lengths[:, None] - contextual + 1
+    else:
+        ids, end = p.expand(lengths.numel(), N), lengths[:, None]
+    if num_targets is not None:
+        end = end - num_targets[:, None]
+        ids = torch.minimum(ids, end)
+    return ids, end
+
+
+# ------------------------------------------------------------------------------------------------
+# Spellings (the table)
+
+def reference_spelling(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """The project's own eager reference (``hstu_inductor.reference.hstu_mha``), as HSTUModel uses it:
+    cat+index pad, einsum products, ``silu(alpha*s) / N``, id mask applied by a float multiply."""
+    return hstu_mha(N, ALPHA, q, k, v, offsets, num_targets=num_targets, attn_scale=attn_scale)
+
+
+def einsum_index_put_tril(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """index_put pad (repeat_interleave row ids), einsum, F.silu, ``torch.tril`` on the scores,
+    ``* (1/N)``; no in-sequence mask (padding rows are zero), advanced-index unpad."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    s = torch.einsum("bnhd,bmhd->bhnm", qp, kp)
+    p = torch.tril(F.silu(ALPHA * s)) * (1.0 / N)
+    out = torch.einsum("bhnm,bmhd->bnhd", p, vp)
+    return _unpad_index(out, offsets, q.shape[0])
+
+
+def matmul_index_copy_where(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """2-D ``[L, H*D]`` inputs, index_copy pad to ``[B*N, H*D]``, heads moved with view+transpose,
+    ``@`` products, ``x * sigmoid(x)`` with alpha folded into q, arange mask applied by ``where``,
+    ``/ N``, index_select unpad on flat rows."""
+    L = q.shape[0]
+    B = offsets.numel() - 1
+    H = 2
+    q2 = q.reshape(L, -1) * ALPHA
+    qp, kp, vp = (_pad_index_copy(t, offsets).view(B, N, H, -1).transpose(1, 2)
+                  for t in (q2, k.reshape(L, -1), v.reshape(L, -1)))
+    s = qp @ kp.transpose(-1, -2)
+    p = torch.where(_causal_mask_arange(offsets)[:, None], s * torch.sigmoid(s), 0.0) / N
+    out = (p @ vp).transpose(1, 2).reshape(B * N, -1)
+    return _unpad_index_select(out, offsets, L).view(L, H, -1)
+
+
+def bmm_scatter_masked_fill(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """scatter pad, heads-first ``[B*H, N, D]`` with permute+reshape, ``torch.bmm``, silu,
+    ``masked_fill(~mask, 0)``, scalar ``attn_scale`` tensor, gather unpad."""
+    L, H, D = q.shape
+    B = offsets.numel() - 1
+
+    def heads_first(t):
+        return _pad_scatter(t.reshape(L, -1), offsets).view(B, N, H, -1).permute(0, 2, 1, 3).reshape(B * H, N, -1)
+
+    s = torch.bmm(heads_first(q), heads_first(k).transpose(1, 2))
+    mask = _causal_mask_arange(offsets).repeat_interleave(H, dim=0)
+    p = F.silu(s * ALPHA).masked_fill(~mask, 0.0) * attn_scale
+    out = torch.bmm(p, heads_first(v)).view(B, H, N, -1).permute(0, 2, 1, 3)
+    seq, pos = _row_ids(offsets, L)
+    return out[seq, pos]
+
+
+def gather_pad_targets(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """index_select+multiply pad, matmul with ``[B, H, N, D]`` heads, id clamping for num_targets
+    (targets see history and themselves: ``eye | dist > 0``), mask as float multiply, ``/ N``."""
+    L = q.shape[0]
+    qp, kp, vp = (_pad_gather_cumsum(t, offsets).transpose(1, 2) for t in (q, k, v))
+    ids, _ = _ids(offsets, num_targets)
+    lengths = offsets[1:] - offsets[:-1]
+    pos = torch.arange(N, device=q.device)
+    dist = ids[:, :, None] - ids[:, None, :]
+    eye = torch.eye(N, dtype=torch.bool, device=q.device)[None]
+    in_seq = (pos[None, :, None] < lengths[:, None, None]) & (pos[None, None, :] < lengths[:, None, None])
+    mask = (eye | (dist > 0)) & in_seq
+    p = F.silu(torch.matmul(qp, kp.transpose(2, 3)) * ALPHA) * mask[:, None].float() / N
+    out = torch.matmul(p, vp).transpose(1, 2)
+    return _unpad_index(out, offsets, L)
+
+
+def contextual_window(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Contextual prefix (ids clamped), targets, ``max_attn_len`` window, per-row ``attn_scale``
+    (padded with index_put), reference-style einsum."""
+    L = q.shape[0]
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    ids, end = _ids(offsets, num_targets, CONTEXT)
+    pos = torch.arange(N, device=q.device)
+    d = ids[:, :, None] - ids[:, None, :]
+    lengths = offsets[1:] - offsets[:-1]
+    valid = ((pos[:, None] == pos[None, :])[None] | (d > 0)) & (d <= WINDOW)
+    valid = valid | ((ids[:, :, None] == 0) & (ids[:, None, :] < end[:, :, None]))
+    valid = valid & (pos[None, :, None] < lengths[:, None, None]) & (pos[None, None, :] < lengths[:, None, None])
+    scale = _pad_index_put(attn_scale, offsets)  # [B, N]
+    s = torch.einsum("bihd,bjhd->bhij", qp, kp)
+    p = F.silu(ALPHA * s) * scale[:, None, :, None] * valid[:, None]
+    out = torch.einsum("bhij,bjhd->bihd", p, vp)
+    return _unpad_index(out, offsets, L)
+
+
+def fbgemm_dense(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """fbgemm ``jagged_to_padded_dense`` / ``dense_to_jagged`` on ``[L, H*D]``, einsum, tril mask
+    built with ``torch.ones(...).tril()`` (only when fbgemm_gpu imports)."""
+    L, H, D = q.shape
+    B = offsets.numel() - 1
+    qp, kp, vp = (torch.ops.fbgemm.jagged_to_padded_dense(t.reshape(L, -1), [offsets], [N], 0.0).view(B, N, H, -1)
+                  for t in (q, k, v))
+    s = torch.einsum("bnhd,bmhd->bhnm", qp, kp)
+    tril = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
+    p = F.silu(s * ALPHA) * tril / N
+    out = torch.einsum("bhnm,bmhd->bnhd", p, vp).reshape(B, N, -1)
+    return torch.ops.fbgemm.dense_to_jagged(out, [offsets], L)[0].view(L, H, -1)
+
+
+def aten_jagged_dense(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """``aten._jagged_to_padded_dense_forward`` / ``_padded_dense_to_jagged_forward`` (no autograd
+    formula: inference only), bmm on ``[B*H, N, D]``."""
+    L, H, D = q.shape
+    B = offsets.numel() - 1
+
+    def pad(t):
+        d = torch.ops.aten._jagged_to_padded_dense_forward(t.reshape(L, -1), [offsets], [N], 0.0)
+        return d.view(B, N, H, -1).transpose(1, 2).reshape(B * H, N, -1)
+
+    s = torch.bmm(pad(q), pad(k).transpose(1, 2))
+    p = F.silu(ALPHA * s) * _causal_mask_arange(offsets).repeat_interleave(H, 0) / N
+    out = torch.bmm(p, pad(v)).view(B, H, N, -1).transpose(1, 2).reshape(B, N, -1)
+    return torch.ops.aten._padded_dense_to_jagged_forward(out, [offsets], L).view(L, H, -1)
+
+
+def nested_padded(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Nested jagged tensors: ``nested_tensor_from_jagged(...).to_padded_tensor(0.0)`` pads,
+    einsum + tril mask, advanced-index unpad."""
+    L = q.shape[0]
+    B = offsets.numel() - 1
+
+    def pad(t):
+        nt = torch.nested.nested_tensor_from_jagged(t, offsets)
+        return nt.to_padded_tensor(0.0, output_size=(B, N, *t.shape[1:]))
+
+    s = torch.einsum("bnhd,bmhd->bhnm", pad(q), pad(k))
+    mask = torch.tril(torch.ones(N, N, device=q.device))
+    p = F.silu(ALPHA * s) * mask / N
+    out = torch.einsum("bhnm,bmhd->bnhd", p, pad(v))
+    return _unpad_index(out, offsets, L)
+
+
+def non_causal(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """No mask at all: every in-sequence pair attends (``causal=False``, modelled by the op)."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    p = F.silu(torch.einsum("bnhd,bmhd->bhnm", qp, kp) * ALPHA) / N
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+
+
+#: name -> (function, needs num_targets, needs attn_scale ("scalar" / "row" / None), needs fbgemm,
+#:          differentiable)
+SPELLINGS = {
+    "reference": (reference_spelling, True, None, False, True),
+    "einsum_index_put_tril": (einsum_index_put_tril, False, None, False, True),
+    "matmul_index_copy_where": (matmul_index_copy_where, False, None, False, True),
+    "bmm_scatter_masked_fill": (bmm_scatter_masked_fill, False, "scalar", False, True),
+    "gather_pad_targets": (gather_pad_targets, True, None, False, True),
+    "contextual_window": (contextual_window, True, "row", False, True),
+    "fbgemm_dense": (fbgemm_dense, False, None, True, True),
+    "aten_jagged_dense": (aten_jagged_dense, False, None, False, False),
+    "nested_padded": (nested_padded, False, None, False, False),  # training: see NEAR_MISSES_TRAINING
+    "non_causal": (non_causal, False, None, False, True),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Near misses: must NOT be rewritten
+
+def softmax_attention(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Softmax attention over padded sequences (masked with -inf): not HSTU."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    s = torch.einsum("bnhd,bmhd->bhnm", qp, kp) * ALPHA
+    s = s.masked_fill(~_causal_mask_arange(offsets)[:, None], -1e9)
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", torch.softmax(s, -1), vp), offsets, q.shape[0])
+
+
+def anti_causal(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """``triu`` instead of ``tril``: rows attend to the future."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    p = torch.triu(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp))) / N
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+
+
+def leaky_causal(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Claimed causal, but ``tril(diagonal=1)`` lets every row see one future row."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    p = torch.tril(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp)), diagonal=1) / N
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+
+
+def data_mask(q, k, v, offsets, num_targets=None, attn_scale=None, user_mask=None):
+    """The mask is a user tensor ([B, N, N] bool input): data the op does not model."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    p = F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp)) * user_mask[:, None] / N
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+
+
+def length_normalised(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Scores divided by each sequence's actual length (not by the constant N, not by attn_scale)."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    lengths = (offsets[1:] - offsets[:-1]).clamp(min=1).to(q.dtype)
+    p = torch.tril(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp))) / lengths[:, None, None, None]
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+
+
+def dropout_weights(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Dropout on the attention weights (training): not modelled by hstu.attention."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    p = F.dropout(torch.tril(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp))) / N, p=0.5, training=True)
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+
+
+def scores_returned(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """The score matrix is also returned: an intermediate with an extra user."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    s = torch.einsum("bnhd,bmhd->bhnm", qp, kp)
+    p = torch.tril(F.silu(ALPHA * s)) / N
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0]), s
+
+
+#: name -> (function, expected substring of the near-miss reason)
+NEAR_MISSES = {
+    "softmax": (softmax_attention, "softmax"),
+    "anti_causal": (anti_causal, "mask"),
+    "leaky_causal": (leaky_causal, "mask"),
+    "data_mask": (data_mask, "data we do not model"),
+    "length_normalised": (length_normalised, "not scale * silu"),
+    "dropout": (dropout_weights, "dropout"),
+    "scores_returned": (scores_returned, "outside the attention"),
+}

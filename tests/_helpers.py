@@ -1,0 +1,153 @@
+"""Shared test helpers: independent slow-loop implementations written from HSTU_SEMANTICS.md.
+
+Nothing here imports ``hstu_inductor``: these are the second, deliberately naive spellings of the
+spec that the library's vectorised reference is checked against.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (``b`` must not be all zeros)."""
+    a, b = a.detach().double(), b.detach().double()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    den = b.norm().item()
+    assert den > 0, "reference tensor is all zeros: the comparison would prove nothing"
+    return (a - b).norm().item() / den
+
+
+def offsets_from_lengths(lengths, dtype=torch.int64) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + int(n))
+    return torch.tensor(out, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask, element by element, straight from the spec text.
+# ---------------------------------------------------------------------------------------------
+def spec_pi_and_M(n: int, t: int | None, c: int):
+    """Return (pi as a python function of a raw position, M) for one sequence of length n."""
+    M = n - c + 1 if c > 0 else n
+    if t is not None:
+        M = M - t
+
+    def pi(p: int) -> int:
+        ident = max(p - c + 1, 0) if c > 0 else p
+        if t is not None:
+            ident = min(ident, M)
+        return ident
+
+    return pi, M
+
+
+def spec_valid(i: int, j: int, n: int, t: int | None = None, w: int = 0, c: int = 0, f: int = 0,
+               causal: bool = True) -> bool:
+    """valid(i, j) for raw rows i, j of a sequence of length n (False when either is padding)."""
+    if not (0 <= i < n and 0 <= j < n):
+        return False
+    if not causal:
+        return True
+    pi, M = spec_pi_and_M(n, t, c)
+    d = pi(i) - pi(j)
+    causal_ok = (i == j) or d > 0
+    window_ok = (w == 0) or (d <= w) or (f > 0 and pi(i) >= M - f)
+    contextual = c > 0 and pi(i) == 0 and pi(j) < M
+    return (causal_ok and window_ok) or contextual
+
+
+def spec_mask(lengths, N, num_targets=None, w=0, c=0, f=0, causal=True) -> torch.Tensor:
+    """``[B, N, N]`` bool mask built with python loops from :func:`spec_valid`."""
+    B = len(lengths)
+    out = torch.zeros(B, N, N, dtype=torch.bool)
+    for b in range(B):
+        t = None if num_targets is None else int(num_targets[b])
+        for i in range(N):
+            for j in range(N):
+                out[b, i, j] = spec_valid(i, j, int(lengths[b]), t, w, c, f, causal)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention, one sequence / one row / one head at a time, in float64.
+# ---------------------------------------------------------------------------------------------
+def loop_attention(q, k, v, offsets, N, alpha, num_targets=None, attn_scale=None, w=0, c=0, f=0,
+                   causal=True, query_rows=None) -> torch.Tensor:
+    """Per-sequence loop HSTU attention in float64.
+
+    ``query_rows``: optional list (per sequence) of raw positions to compute (delta attention);
+    then ``q`` holds exactly those rows, sequence by sequence, and ``attn_scale`` (if per-row)
+    is indexed the same way as ``q``.
+    """
+    q, k, v = q.detach().double(), k.detach().double(), v.detach().double()
+    H, Dv = v.shape[1], v.shape[2]
+    outs = []
+    qrow = 0
+    for b in range(len(offsets) - 1):
+        s, e = int(offsets[b]), int(offsets[b + 1])
+        n = e - s
+        t = None if num_targets is None else int(num_targets[b])
+        rows = range(n) if query_rows is None else query_rows[b]
+        for i in rows:
+            qi = q[qrow] if query_rows is not None else q[s + i]
+            if attn_scale is None:
+                scale = 1.0 / N
+            elif attn_scale.numel() == 1:
+                scale = float(attn_scale.reshape(()))
+            else:
+                scale = float(attn_scale[qrow if query_rows is not None else s + i])
+            acc = torch.zeros(H, Dv, dtype=torch.float64)
+            for j in range(n):
+                if not spec_valid(i, j, n, t, w, c, f, causal):
+                    continue
+                for h in range(H):
+                    x = alpha * float(torch.dot(qi[h], k[s + j, h]))
+                    score = x / (1.0 + math.exp(-x)) * scale  # silu
+                    acc[h] += score * v[s + j, h]
+            outs.append(acc)
+            qrow += 1
+    if not outs:
+        return torch.zeros(0, H, Dv, dtype=torch.float64)
+    return torch.stack(outs)
+
+
+def random_jagged(lengths, H, Dq, Dv, dtype=torch.float64, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    L = sum(lengths)
+    q = torch.randn(L, H, Dq, generator=g, dtype=dtype)
+    k = torch.randn(L, H, Dq, generator=g, dtype=dtype)
+    v = torch.randn(L, H, Dv, generator=g, dtype=dtype)
+    if requires_grad:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    return q, k, v, offsets_from_lengths(lengths)
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# One small HSTUModel configuration shared by the compile tests, so that Inductor's FX graph
+# cache can serve the same graph to several tests (compiling is the slow part of the suite).
+# ---------------------------------------------------------------------------------------------
+SMALL_NUM_ITEMS, SMALL_MAX_LEN = 30, 8
+SMALL_LENGTHS = [5, 0, 1, 8, 3]
+
+
+def small_hstu_model(seed=0, num_layers=1, **kw):
+    from hstu_inductor.reference import HSTUModel
+
+    torch.manual_seed(seed)
+    return HSTUModel(num_items=SMALL_NUM_ITEMS, max_seq_len=SMALL_MAX_LEN, embedding_dim=16, num_layers=num_layers,
+                     num_heads=2, attn_dim=8, hidden_dim=8, **kw)
+
+
+def small_hstu_batch(lengths=SMALL_LENGTHS, seed=1):
+    """(item_ids, offsets, num_targets, labels) with fresh random ids, lengths incl. 0, 1 and N."""
+    g = torch.Generator().manual_seed(seed)
+    L = sum(lengths)
+    ids = torch.randint(0, SMALL_NUM_ITEMS, (L,), generator=g)
+    labels = torch.randint(0, SMALL_NUM_ITEMS, (L,), generator=g)
+    nt = torch.tensor([min(1, n) for n in lengths])
+    return ids, offsets_from_lengths(lengths), nt, labels

@@ -1,0 +1,14 @@
+"""Shared helpers for the pattern tests (CPU, tiny shapes)."""
+import pytest
+import torch
+
+import hstu_inductor  # noqa: F401  (registers the "hstu" backend and torch.ops.hstu.*)
+import hstu_inductor.patterns.attention  # noqa: F401  (registers the attention rewriter)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Reset Dynamo's caches around a test (attention tests use it explicitly)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

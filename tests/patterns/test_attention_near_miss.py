@@ -1,0 +1,77 @@
+"""Look-alikes of HSTU attention are left to stock Inductor, reported as near misses, and give
+eager results."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hstu_inductor
+from hstu_inductor.patterns import spellings_attention as sp
+from hstu_inductor.report import collecting
+
+from test_attention_helpers import make_inputs, spelling_inputs
+
+LENGTHS = [5, 0, 8, 3]
+
+
+@pytest.mark.parametrize("name", list(sp.NEAR_MISSES))
+def test_near_miss_not_rewritten(name, fresh_dynamo):
+    fn, reason = sp.NEAR_MISSES[name]
+    extra = None
+    if name == "data_mask":
+        g = torch.Generator().manual_seed(3)
+        extra = (torch.rand(len(LENGTHS), sp.N, sp.N, generator=g) > 0.3,)
+    args = make_inputs(LENGTHS, seed=2, extra=extra)
+    if name == "dropout":  # same random stream as eager, so results can be compared
+        ctx = torch._inductor.config.patch(fallback_random=True)
+    else:
+        ctx = torch._inductor.config.patch({})
+    with ctx, torch.no_grad():
+        torch.manual_seed(0)
+        report = hstu_inductor.explain(fn, *args)
+        torch.manual_seed(0)
+        expected = fn(*args)
+    assert report.counts["attention"] == 0, report
+    misses = [r for kind, r in report.near_misses if kind == "attention"]
+    assert misses and any(reason in r for r in misses), report
+    got = report.output
+    if isinstance(expected, tuple):
+        expected, got = expected[0], got[0]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_nested_training_left_alone(fresh_dynamo):
+    """Nested-tensor pads lose autograd in the ATen retrace (a detach appears): in training the
+    candidate is declined, and gradients stay those of eager."""
+    fn, args = spelling_inputs("nested_padded", requires_grad=True, seed=4)
+    _, args_e = spelling_inputs("nested_padded", requires_grad=True, seed=4)
+    compiled = torch.compile(fn, backend="hstu")
+    with collecting() as report:
+        out = compiled(*args)
+    assert report.counts["attention"] == 0
+    assert any("detached" in r for _, r in report.near_misses), report
+    ref = fn(*args_e)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, args[:3], g), torch.autograd.grad(ref, args_e[:3], g)):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_mask_of_wrong_length_constant(fresh_dynamo):
+    """A causal mask built for a different N than the padding is still proven on in-sequence
+    positions (padding rows are zero), while a window constant changes the meaning."""
+    def fn(q, k, v, offsets, nt=None, s=None):
+        qp, kp, vp = (sp._pad_index_put(t, offsets) for t in (q, k, v))
+        i = torch.arange(sp.N)
+        win = (i[:, None] - i[None, :] >= 0) & (i[:, None] - i[None, :] <= 2)
+        p = torch.nn.functional.silu(sp.ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp)) * win / sp.N
+        return sp._unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+
+    args = make_inputs(LENGTHS, seed=5)
+    with torch.no_grad():
+        report = hstu_inductor.explain(fn, *args)
+        expected = fn(*args)
+    # raw-position window of 2 == HSTU max_attn_len=2 without targets/contextual: rewritten
+    assert report.counts["attention"] == 1, report
+    assert "max_attn_len=2" in report.details[0][1]
+    torch.testing.assert_close(report.output, expected, rtol=1e-4, atol=1e-5)
