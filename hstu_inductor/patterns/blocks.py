@@ -12,7 +12,7 @@ see ``NORM_SPELLINGS``, ``PROJECTION_SPELLINGS``, ``SPLIT_SPELLINGS``, ``ACTIVAT
 return ``None`` ("not this spelling") or raise ``Decline`` ("recognisably this block, but not
 provably the op's semantics"), which becomes a ``report.near_misses`` entry.
 
-Proof, two layers (docs/patterns_blocks.md):
+Proof, two layers (docs/patterns.md, "Preprocess and output blocks"):
 
 1. structure: every constant the op takes (eps, split sizes, split dim, norm shape, groups,
    which operand is which, dtypes, casts) is read from the matched nodes and checked exactly;
