@@ -16,9 +16,16 @@ Two memory paths, chosen by ``tma``:
     by the hardware and stores past it are dropped, so no row masks are needed.
 
 Backward: one program per key block keeps dK/dV in registers and walks the query blocks that can
-see it. dQ is either accumulated with fp32 atomics (TMA bulk reduce on sm90, pointer atomics
-otherwise) into an fp32 buffer and cast once at the end, or, with ``deterministic=True``, computed
-by a second kernel that walks key blocks per query block (no atomics, bitwise repeatable).
+see it. dQ is either
+  * "atomic": accumulated with fp32 atomics (pointer atomics by default; TMA reduce-add and
+    vectorized ``red.v2`` via HSTU_INDUCTOR_DQ_MODE=2/3) into an fp32 buffer, scaled and cast once, or
+  * "split": computed by a second kernel that walks key blocks per query block (no atomics,
+    bitwise repeatable). ``deterministic=True`` always uses it; otherwise it is chosen for
+    max_seq_len > 1024, where it measured faster on H200 (HSTU_INDUCTOR_BWD_ALGO overrides).
+
+Tuning knobs (environment): HSTU_INDUCTOR_AUTOTUNE=0 (one default config, no autotuning),
+HSTU_INDUCTOR_SILU=exact|tanh|packed, HSTU_INDUCTOR_DQ_MODE=1|2|3, HSTU_INDUCTOR_BWD_ALGO=atomic|split.
+See docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 __all__ = [
     "hstu_attention_fwd",
@@ -37,8 +45,6 @@ __all__ = [
     "delta_hstu_attention_fwd",
     "tma_supported",
 ]
-
-_LOG2E = 1.4426950408889634
 
 
 def _interpret() -> bool:
@@ -99,6 +105,36 @@ def _silu(s, alpha, FAST: tl.constexpr):
     else:
         x = s * alpha
         return x / (1.0 + tl.exp2(x * -1.4426950408889634))
+
+
+@triton.jit
+def _silu_packed(hx):
+    """silu(2 hx) = hx + hx * tanh(hx) on packed 16-bit pairs (one MUFU op and one FMA per 2 elements)."""
+    if hx.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; tanh.approx.bf16x2 t, $1; fma.rn.bf16x2 $0, $1, t, $1; }",
+            "=r,r", [hx], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; tanh.approx.f16x2 t, $1; fma.rn.f16x2 $0, $1, t, $1; }",
+            "=r,r", [hx], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _silu_bwd_packed(hx, dp):
+    """(silu(2 hx), dp * silu'(2 hx)) on packed 16-bit pairs."""
+    if hx.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, h, nh, sg, om, g; mov.b32 h, 0x3F003F00; mov.b32 nh, 0xBF00BF00; "
+            "tanh.approx.bf16x2 t, $2; fma.rn.bf16x2 $0, $2, t, $2; fma.rn.bf16x2 sg, t, h, h; "
+            "fma.rn.bf16x2 om, t, nh, h; fma.rn.bf16x2 g, $0, om, sg; mul.rn.bf16x2 $1, $3, g; }",
+            "=r,=r,r,r", [hx, dp], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, h, nh, sg, om, g; mov.b32 h, 0x38003800; mov.b32 nh, 0xB800B800; "
+            "tanh.approx.f16x2 t, $2; fma.rn.f16x2 $0, $2, t, $2; fma.rn.f16x2 sg, t, h, h; "
+            "fma.rn.f16x2 om, t, nh, h; fma.rn.f16x2 g, $0, om, sg; mul.rn.f16x2 $1, $3, g; }",
+            "=r,=r,r,r", [hx, dp], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
 @triton.jit
@@ -254,13 +290,16 @@ def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                 else:
                     v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        p = _silu(s, alpha, FAST)
+        if FAST == 2:
+            p = _silu_packed((s * (0.5 * alpha)).to(v.dtype))
+        else:
+            p = _silu(s, alpha, FAST).to(v.dtype)
         if MASKED:
             pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
             ok = _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL,
                         HAS_CTX, HAS_WINDOW, HAS_MINFULL)
             p = tl.where(ok, p, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        acc = tl.dot(p, v, acc, input_precision=PREC)
     return acc
 
 
@@ -269,12 +308,13 @@ def _hstu_fwd_kernel(
     Q, K, V, O, SEQ_OFFSETS, NUM_TARGETS, ATTN_SCALE,
     stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od, stride_sm,
-    alpha, scale_const,
+    alpha, scale_const, one,
     H, DQ, DV, DELTA_ROWS, CTX, WINDOW, MINFULL, N_BUCKET,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, DELTA: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q_IN_REGS: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
@@ -326,6 +366,10 @@ def _hstu_fwd_kernel(
                     mask=(offs_r[:, None] < nq) & (offs_dq[None, :] < DQ), other=0.0)
     if DELTA:  # query rows before the sequence start (n_b < D) contribute nothing
         q = tl.where((pos_m >= 0)[:, None], q, tl.zeros_like(q))
+    if Q_IN_REGS:
+        # q * 1.0 (a runtime one, exact): q becomes a register operand, so S = Q K^T's wgmma reads only K
+        # from shared memory (with Q in shared memory, BLOCK_N <= 64 tiles are shared-memory bound).
+        q = (q.to(tl.float32) * one).to(q.dtype)
 
     m_first = tl.maximum(pos0 + r0, 0)
     m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
@@ -401,22 +445,36 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stri
             sc = tl.load(S_base + offs_m * stride_sm, mask=offs_m < n, other=0.0).to(tl.float32)
             do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
-        p_t, dsilu_t = _silu_and_grad(s_t, alpha, FAST)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-        ds_t = dp_t * dsilu_t
+        if FAST == 2:
+            p16, ds16 = _silu_bwd_packed((s_t * (0.5 * alpha)).to(q.dtype), dp_t.to(q.dtype))
+        else:
+            p_t, dsilu_t = _silu_and_grad(s_t, alpha, FAST)
+            p16 = p_t.to(q.dtype)
+            ds16 = (dp_t * dsilu_t).to(q.dtype)
         if MASKED:
             pi_m = _ids(offs_m, c, M, HAS_CTX, HAS_TGT)
             ok = _valid(offs_m[None, :], offs_n[:, None], pi_m[None, :], pi_n[:, None], n, M, w, f, CAUSAL,
                         HAS_CTX, HAS_WINDOW, HAS_MINFULL)
-            p_t = tl.where(ok, p_t, 0.0)
-            ds_t = tl.where(ok, ds_t, 0.0)
-        dv = tl.dot(p_t.to(q.dtype), do, dv, input_precision=PREC)
-        ds16 = ds_t.to(q.dtype)
+            p16 = tl.where(ok, p16, 0.0)
+            ds16 = tl.where(ok, ds16, 0.0)
+        dv = tl.dot(p16, do, dv, input_precision=PREC)
         dk = tl.dot(ds16, q, dk, input_precision=PREC)
         if DQ_MODE == 1:
             dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
-            tl.atomic_add(DQ_dst + offs_m[:, None].to(tl.int64) * stride_dqm + offs_dq[None, :], dq,
-                          mask=(offs_m[:, None] < n) & (offs_dq[None, :] < DQ), sem="relaxed")
+            # 32-bit offsets from the (sequence, head) base: 64-bit per-element pointers cost registers
+            dq_off = offs_m[:, None] * stride_dqm + offs_dq[None, :]
+            tl.atomic_add(DQ_dst + dq_off, dq, mask=(offs_m[:, None] < n) & (offs_dq[None, :] < DQ),
+                          sem="relaxed")
+        elif DQ_MODE == 3:  # vectorized fp32 reduction, two adjacent columns per instruction (sm90)
+            dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
+            dq_off = offs_m[:, None] * stride_dqm + offs_dq[None, :]
+            row_ok = ((offs_m[:, None] < n) & (offs_dq[None, :] < DQ)).to(tl.int32)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.relaxed.gpu.global.add.v2.f32 [$2], {$6, $7}; "
+                "mov.b32 $0, 0; mov.b32 $1, 0; }",
+                "=r,=r,l,l,r,r,r,r", [(DQ_dst + dq_off).to(tl.int64), row_ok, dq], dtype=tl.int32,
+                is_pure=False, pack=2)
         elif DQ_MODE == 2:
             dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
             DQ_dst.atomic_add([start_m, 0], dq)
@@ -577,15 +635,18 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
                 else:
                     v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        _, dsilu = _silu_and_grad(s, alpha, FAST)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = dp * dsilu
+        if FAST == 2:
+            _, ds = _silu_bwd_packed((s * (0.5 * alpha)).to(k.dtype), dp.to(k.dtype))
+        else:
+            _, dsilu = _silu_and_grad(s, alpha, FAST)
+            ds = (dp * dsilu).to(k.dtype)
         if MASKED:
             pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
             ok = _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL,
                         HAS_CTX, HAS_WINDOW, HAS_MINFULL)
             ds = tl.where(ok, ds, 0.0)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+        dq = tl.dot(ds, k, dq, input_precision=PREC)
     return dq
 
 
@@ -594,12 +655,13 @@ def _hstu_bwd_dq_kernel(
     Q, K, V, DO, DQo, SEQ_OFFSETS, NUM_TARGETS, ATTN_SCALE,
     stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
     stride_dom, stride_doh, stride_dod, stride_dqm, stride_dqh, stride_sm,
-    alpha, scale_const,
+    alpha, scale_const, one,
     H, DQ, DV, CTX, WINDOW, MINFULL, N_BUCKET,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q_IN_REGS: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
@@ -646,6 +708,10 @@ def _hstu_bwd_dq_kernel(
     if SCALE_MODE == 2:
         sc_rows = tl.load(ATTN_SCALE + (start + offs_r) * stride_sm, mask=offs_r < n, other=0.0).to(tl.float32)
         do = (do.to(tl.float32) * sc_rows[:, None]).to(q.dtype)
+    if Q_IN_REGS:  # register A operands for S = Q K^T and dP = dO V^T (see the forward kernel)
+        q = (q.to(tl.float32) * one).to(q.dtype)
+        if SCALE_MODE != 2:
+            do = (do.to(tl.float32) * one).to(q.dtype)
 
     m_last = tl.minimum(r0 + BLOCK_M, n) - 1
     a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
@@ -695,22 +761,34 @@ def _dq_finalize_kernel(DQA, DQo, ATTN_SCALE, numel, factor, SCALE_MODE: tl.cons
 _KEY = ["H", "DQ", "DV", "N_BUCKET", "TMA"]  # dtypes of all tensor args are appended by triton
 
 
-def _cfg(block_m, block_n, warps, stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+def _cfg(kind, block_m, block_n, warps, stages, maxnreg=None, qregs=False):
+    kw = {"maxnreg": maxnreg} if maxnreg else {}
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n}
+    if kind != "dkdv":
+        meta["Q_IN_REGS"] = bool(qregs)
+    return triton.Config(meta, num_warps=warps, num_stages=stages, **kw)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). fwd/dq: BLOCK_M query rows per program, BLOCK_N keys per step.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg[, q_in_regs]]).
+# fwd/dq: BLOCK_M query rows per program, BLOCK_N keys per step.
 # dkdv: BLOCK_N key rows per program, BLOCK_M query rows per step.
+# maxnreg=128 with 8 warps lets two 128-row CTAs share an SM (independent warpgroups overlap better).
+# q_in_regs: Q (and dO) become register A operands of wgmma, halving shared-memory reads of S = Q K^T.
+_R = True
 _GPU_CONFIGS = {
-    ("fwd", "small"): [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+    ("fwd", "small"): [(128, 32, 4, 3), (128, 64, 8, 2, 128), (128, 64, 8, 3), (128, 128, 8, 3, None, _R)],
     ("fwd", "large"): [(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
-    ("dkdv", "small"): [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
+    ("dkdv", "small"): [(32, 128, 8, 3), (64, 128, 8, 3)],
     ("dkdv", "large"): [(32, 64, 4, 2), (64, 64, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2)],
-    ("dq", "small"): [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    ("dq", "small"): [(128, 64, 8, 3), (128, 64, 8, 4, None, _R)],
     ("dq", "large"): [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 3)],
+    # fp32 inputs (3-pass tf32 dots need much more shared memory and registers): small tiles
+    ("fwd", "fp32"): [(32, 32, 4, 1)],
+    ("dkdv", "fp32"): [(32, 32, 4, 1)],
+    ("dq", "fp32"): [(32, 32, 4, 1)],
 }
 # One small config under the interpreter (autotuning needs a GPU) and for quick runs.
-_INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+_INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1, None, True), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1, None, True)}
 
 _JIT = {"fwd": _hstu_fwd_kernel, "dkdv": _hstu_bwd_dkdv_kernel, "dq": _hstu_bwd_dq_kernel}
 
@@ -737,29 +815,37 @@ def _autotune_enabled() -> bool:
 @functools.lru_cache(maxsize=None)
 def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool):
     if autotune:
-        configs = [_cfg(*c) for c in _GPU_CONFIGS[(kind, size)]]
+        configs = [_cfg(kind, *c) for c in _GPU_CONFIGS[(kind, size)]]
     elif _interpret():
-        configs = [_cfg(*_INTERPRET_CONFIGS[kind])]
+        configs = [_cfg(kind, *_INTERPRET_CONFIGS[kind])]
     else:
-        configs = [_cfg(*_GPU_CONFIGS[(kind, size)][0])]
-    return triton.autotune(configs=configs, key=_KEY, cache_results=True,
-                           reset_to_zero=["DQA"] if atomic_dq else None)(_JIT[kind])
+        configs = [_cfg(kind, *_GPU_CONFIGS[(kind, size)][0])]
+    tuner = triton.autotune(configs=configs, key=_KEY, cache_results=True,
+                            reset_to_zero=["DQA"] if atomic_dq else None)(_JIT[kind])
+    _TUNERS[f"{kind}/{size}/tune={autotune}/atomic={atomic_dq}"] = tuner
+    return tuner
+
+
+_TUNERS: dict = {}  # for benchmark reports: name -> triton Autotuner
 
 
 def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, kwargs: dict,
-            atomic_dq: bool = False):
+            atomic_dq: bool = False, fp32: bool = False):
     """Launch kernel ``kind`` over (grid_x, cdiv(grid_rows, BLOCK_{M|N}))."""
     row_block = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
     forced = _FORCED_CONFIGS.get(kind)
     if forced is not None:
-        bm, bn, warps, stages = forced
-        rb = bn if kind == "dkdv" else bm
-        _JIT[kind][(grid_x, triton.cdiv(grid_rows, rb))](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn,
-                                                        num_warps=warps, num_stages=stages)
+        cfg = _cfg(kind, *forced)
+        rb = cfg.kwargs["BLOCK_N"] if kind == "dkdv" else cfg.kwargs["BLOCK_M"]
+        extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+        _JIT[kind][(grid_x, triton.cdiv(grid_rows, rb))](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps,
+                                                        num_stages=cfg.num_stages, **extra)  # test hook: eager only
         return
-    size = "small" if block_d <= 128 else "large"
+    size = "fp32" if fp32 else ("small" if block_d <= 128 else "large")
     kern = _tuned(kind, size, _autotune_enabled(), atomic_dq)
-    kern[lambda meta: (grid_x, triton.cdiv(grid_rows, meta[row_block]))](*args, **kwargs)
+    # wrap_triton: inside the hstu triton_ops, torch.compile/AOTInductor record this launch as a
+    # user-defined Triton kernel of the generated code; in eager it is a plain launch.
+    wrap_triton(kern)[lambda meta: (grid_x, triton.cdiv(grid_rows, meta[row_block]))](*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -870,6 +956,11 @@ def _scale_args(attn_scale, max_seq_len):
 
 def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len):
     causal = bool(causal)
+    if min(max_attn_len, contextual_seq_len, min_full_attn_seq_len) < 0:
+        raise ValueError("hstu attention: max_attn_len, contextual_seq_len, min_full_attn_seq_len must be >= 0")
+    if not causal and (num_targets is not None or max_attn_len or contextual_seq_len or min_full_attn_seq_len):
+        raise ValueError("hstu attention: causal=False means full attention inside each sequence; num_targets, "
+                         "max_attn_len, contextual_seq_len and min_full_attn_seq_len must then be unset/0")
     has_window = causal and max_attn_len > 0
     return dict(
         CAUSAL=causal,
@@ -880,12 +971,23 @@ def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_
     )
 
 
-def _fast_silu(dtype, device) -> bool:
-    return dtype != torch.float32 and device.type == "cuda" and not _interpret() and torch.version.hip is None
+_SILU_MODES = {"exact": 0, "tanh": 1, "packed": 2}
+
+
+def _fast_silu(dtype, device) -> int:
+    """0: exp2-based fp32 silu; 1: fp32 tanh.approx; 2: packed bf16x2/f16x2 tanh + fma (16-bit on NVIDIA).
+
+    ``HSTU_INDUCTOR_SILU=exact|tanh|packed`` overrides the default for 16-bit inputs."""
+    if dtype == torch.float32 or device.type != "cuda" or _interpret() or torch.version.hip is not None:
+        return 0
+    return _SILU_MODES[os.environ.get("HSTU_INDUCTOR_SILU", "tanh")]
 
 
 def _prec(dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """fp32 inputs: 3-pass tf32 (fp32-level accuracy on tensor cores) on GPU, IEEE in the interpreter."""
+    if dtype != torch.float32:
+        return "tf32"  # ignored for 16-bit operands
+    return "ieee" if _interpret() else "tf32x3"
 
 
 # --------------------------------------------------------------------------------------------
@@ -909,7 +1011,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
     args = (q, k, v, out, seq_offsets, num_targets, scale_t,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), stride_s,
-            float(alpha), float(scale_const),
+            float(alpha), float(scale_const), 1.0,
             H, Dq, Dv, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
             triton.next_power_of_2(max_seq_len))
     kwargs = dict(flags, SCALE_MODE=scale_mode, DELTA=delta_rows > 0, TMA=use_tma,
@@ -919,7 +1021,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
     with _device_ctx(q.device):
         if use_tma:
             _ensure_allocator()
-        _launch("fwd", grid_rows, B * H, max(bdq, bdv), args, kwargs)
+        _launch("fwd", grid_rows, B * H, max(bdq, bdv), args, kwargs, fp32=q.dtype == torch.float32)
     return out
 
 
@@ -967,24 +1069,37 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     use_tma = _use_tma(tma, q.device, (q, k, v))
-    if use_tma and not _tma_ok(dout):
-        dout = dout.contiguous()
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len)
     flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
+    # Algorithm: "split" = dK/dV kernel + separate dQ kernel (no atomics, bitwise repeatable);
+    # "atomic" = one kernel, dQ through fp32 atomics. Non-deterministic calls take whichever measured
+    # faster on H200 (atomic up to N=1024, split above); HSTU_INDUCTOR_BWD_ALGO=atomic|split overrides.
+    algo = "split" if deterministic else os.environ.get(
+        "HSTU_INDUCTOR_BWD_ALGO", "split" if max_seq_len > 1024 else "atomic")
+    split = algo == "split"
+    # With atomics, pointer loads measured faster than TMA loads in the dK/dV kernel: auto mode uses them.
+    tma_dkdv = use_tma and (split or tma is True)
+    if use_tma and not _tma_ok(dout):
+        dout = dout.contiguous()
     bdq, bdv = _block_d(Dq), _block_d(Dv)
     common = dict(flags, SCALE_MODE=scale_mode, TMA=use_tma, FAST=_fast_silu(q.dtype, q.device),
                   PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv, BLOCK_DQ=bdq, BLOCK_DV=bdv)
     tail = (float(alpha), float(scale_const), H, Dq, Dv, int(contextual_seq_len), int(max_attn_len),
             int(min_full_attn_seq_len), triton.next_power_of_2(max_seq_len))
-    if deterministic:
+    if split:
         dq = _new((L, H, Dq), q.dtype, q.device)
         dq_acc = None
         dq_mode = 0
         sdq = (0, 0)
     else:
         dq_acc = torch.zeros((L, H, Dq), dtype=torch.float32, device=q.device)
-        # TMA bulk reduce-add for dQ on sm90 (the interpreter has no descriptor atomics)
-        dq_mode = 2 if (use_tma and not _interpret() and _tma_ok(dq_acc)) else 1
+        # dQ accumulation: 1 = fp32 pointer atomics (default: measured faster than TMA bulk reduce-add on
+        # H200), 2 = TMA reduce-add, 3 = vectorized red.v2 (sm90, even head dim). HSTU_INDUCTOR_DQ_MODE.
+        dq_mode = int(os.environ.get("HSTU_INDUCTOR_DQ_MODE", "1"))
+        if dq_mode == 2 and not (tma_dkdv and not _interpret() and _tma_ok(dq_acc)):
+            dq_mode = 1
+        if dq_mode == 3 and (_interpret() or q.device.type != "cuda" or bdq != Dq):
+            dq_mode = 1
         sdq = (dq_acc.stride(0), dq_acc.stride(1))
     args = (q, k, v, dout, dq_acc, dk, dv, seq_offsets, num_targets, scale_t,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -993,19 +1108,19 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     with _device_ctx(q.device):
         if use_tma:
             _ensure_allocator()
-        _launch("dkdv", max_seq_len, B * H, max(bdq, bdv), args, dict(common, DQ_MODE=dq_mode),
-                atomic_dq=not deterministic)
-        if deterministic:
+        _launch("dkdv", max_seq_len, B * H, max(bdq, bdv), args, dict(common, DQ_MODE=dq_mode, TMA=tma_dkdv),
+                atomic_dq=not split, fp32=q.dtype == torch.float32)
+        if split:
             args = (q, k, v, dout, dq, seq_offsets, num_targets, scale_t,
                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                     v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-                    dq.stride(0), dq.stride(1), stride_s) + tail
-            _launch("dq", max_seq_len, B * H, max(bdq, bdv), args, common)
+                    dq.stride(0), dq.stride(1), stride_s, float(alpha), float(scale_const), 1.0) + tail[2:]
+            _launch("dq", max_seq_len, B * H, max(bdq, bdv), args, common, fp32=q.dtype == torch.float32)
         else:
             dq = dq_acc if q.dtype == torch.float32 else _new((L, H, Dq), q.dtype, q.device)
             numel = dq_acc.numel()
             block = 4096 if not _interpret() else 1024
-            _dq_finalize_kernel[(triton.cdiv(numel, block),)](
+            wrap_triton(_dq_finalize_kernel)[(triton.cdiv(numel, block),)](
                 dq_acc, dq, scale_t, numel, float(alpha) * (scale_const if scale_mode == 0 else 1.0),
                 SCALE_MODE=1 if scale_mode == 1 else 0, BLOCK=block)
     return dq, dk, dv
