@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options"]
+__all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options", "known_true"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -45,3 +45,10 @@ def mode_options(mode: str | None) -> dict:
     if mode in (None, "default"):
         return {}
     return dict(torch._inductor.list_mode_options(mode))
+
+
+def known_true(cond) -> bool:
+    """``cond`` (a bool or SymBool) is true for every value of its symbols; never adds a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(cond) if isinstance(cond, bool) else statically_known_true(cond)

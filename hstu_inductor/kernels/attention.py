@@ -875,9 +875,17 @@ def _tma_ok(t: Optional[torch.Tensor]) -> bool:
     """A [rows, H, D] tensor addressable by per-(sequence, head) 2-D descriptors."""
     if t is None:
         return True
+    from .._compat import known_true
+
     es = t.element_size()
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0
-            and (t.stride(1) * es) % 16 == 0)
+    try:
+        base_ok = t.data_ptr() % 16 == 0
+    except RuntimeError:
+        # Fake/functional tensor while torch.compile/AOTI traces the op: allocations are aligned
+        # (Inductor copies misaligned graph inputs), so the view's storage offset decides.
+        base_ok = known_true((t.storage_offset() * es) % 16 == 0)
+    return (base_ok and known_true(t.stride(-1) == 1) and known_true((t.stride(0) * es) % 16 == 0)
+            and known_true((t.stride(1) * es) % 16 == 0))
 
 
 def _use_tma(tma, device, tensors) -> bool:

@@ -140,8 +140,9 @@ def _score_path_op(n) -> bool:
                      aten.native_dropout.default))
 
 
-def find_score_product(pv) -> Optional[torch.fx.Node]:
-    """The ``bmm`` computing the scores that feed ``pv``'s left operand, or None."""
+def find_score_product(pv, square: bool = True) -> Optional[torch.fx.Node]:
+    """The ``bmm`` computing the scores that feed ``pv``'s left operand, or None. With
+    ``square=False`` rectangular scores (delta rows x keys, cached attention) are returned too."""
     found, seen, stack = set(), set(), [pv.args[0]]
     while stack:
         n = stack.pop()
@@ -157,9 +158,23 @@ def find_score_product(pv) -> Optional[torch.fx.Node]:
         return None
     s = found.pop()
     shape = _val(s).shape
-    if not lay.eq(shape[1], shape[2]):
+    if len(shape) != 3:
+        return None
+    if square and not lay.eq(shape[1], shape[2]):
         return None
     return s
+
+
+def is_square(S) -> bool:
+    shape = _val(S).shape
+    return lay.eq(shape[1], shape[2])
+
+
+def is_pad(D) -> bool:
+    global _PAD_OPS
+    if _PAD_OPS is None:
+        _PAD_OPS = _pad_ops()
+    return D.op == "call_function" and D.target in _PAD_OPS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,11 +461,14 @@ def analyse(S, pv) -> Plan:
 # Score subgraph: S -> X (shape-preserving ops + mask + scale)
 
 
-def score_subgraph(plan: Plan, Xnode):
+def score_subgraph(plan: Plan, Xnode, rows=None):
+    """Walk the shape-preserving chain ``S -> X``. ``rows``: the size of ``S``'s query-row dim
+    (``N`` for full attention, the delta rows per sequence for cached attention)."""
     S = plan.S
     Zd = plan._Z
     N = plan.N
-    S_layout = (tuple(Zd), ((sympy.Integer(N), "i", sympy.Integer(1)),), ((sympy.Integer(N), "j", sympy.Integer(1)),))
+    rows = sympy.Integer(N) if rows is None else rows
+    S_layout = (tuple(Zd), ((rows, "i", sympy.Integer(1)),), ((sympy.Integer(N), "j", sympy.Integer(1)),))
     order, leaves = closure([Xnode], {S})
     sderived, layouts = {S}, {S: S_layout}
     for n in order:
@@ -806,14 +824,19 @@ def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, N, alphas, mask_ints,
         what = "has entries above the diagonal (not causal)" if causal_like else "matches no HSTU mask"
         raise Decline(f"attention mask {what} for any (max_attn_len, contextual_seq_len, "
                       f"min_full_attn_seq_len) taken from the graph's constants")
-    sel = obs
+    a, c0 = fit_alpha(X, S_at, s_at, obs, alphas)
+    return a, c0, params
+
+
+def fit_alpha(X, S_at, s_at, sel, alphas):
+    """``(alpha, c0)`` with ``X == c0 * s * silu(alpha * S)`` on ``sel`` (alpha among ``alphas``)."""
     for a in alphas:
         ratio = X[sel] / (s_at.expand(X.shape)[sel] * silu(a * S_at[sel]))
         if ratio.numel() == 0:
             continue
         c0 = float(ratio.mean())
         if c0 != 0 and bool(torch.allclose(ratio, torch.full_like(ratio, c0), rtol=1e-9, atol=0)):
-            return a, c0, params
+            return a, c0
     raise Decline("scores are not scale * silu(alpha * qk) for any alpha among the graph's constants "
                   "(other activation or normalisation?)")
 
@@ -939,13 +962,16 @@ def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
         if node.op != "call_function" or node.target is not BMM or node in consumed or not node.users:
             continue
         try:
-            S = find_score_product(node)
+            S = find_score_product(node, square=False)
+            delta = S is not None and attn_delta.is_candidate(S, node)
+            if S is not None and not delta and not is_square(S):
+                S = None
         except Exception:  # malformed metadata: not a candidate
             S = None
         if S is None or S in consumed:
             continue
         try:
-            plan = prove(gm, S, node)
+            plan = attn_delta.prove_delta(gm, S, node) if delta else prove(gm, S, node)
         except (Decline, lay.LayoutError) as e:
             report.near_misses.append(("attention", f"{node.name}: {e}"))
             continue
@@ -955,7 +981,13 @@ def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
             log.exception("hstu_inductor: attention prover failed on %s", node.name)
             report.near_misses.append(("attention", f"{node.name}: prover error {type(e).__name__}: {e}"))
             continue
-        rewrite(gm, plan)
+        if delta:
+            attn_delta.rewrite_delta(gm, plan)
+        else:
+            rewrite(gm, plan)
         consumed |= {node, S}
         report.counts["attention"] += 1
-        report.details.append(("attention", describe(plan)))
+        report.details.append(("attention", attn_delta.describe_delta(plan) if delta else describe(plan)))
+
+
+from . import attn_delta  # noqa: E402  (cached attention; imports this module's helpers)

@@ -14,8 +14,9 @@ This module is shared by the attention rewriter only; it never mutates graphs.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import sympy
 import torch
@@ -30,14 +31,33 @@ class LayoutError(Exception):
     """A layout op the algebra cannot express (the caller declines the candidate)."""
 
 
+#: Optional rewrite applied to every size expression (see :func:`canonical`).
+_CANON: Optional[Callable] = None
+
+
+@contextlib.contextmanager
+def canonical(fn: Callable):
+    """Apply ``fn`` to every size expression read by the algebra inside the block. Used by the
+    delta-attention prover to rename ``R // B`` (delta rows per sequence, a floor division of two
+    symbols in dynamic graphs) to one fresh symbol, with ``R := B * delta``."""
+    global _CANON
+    old, _CANON = _CANON, fn
+    try:
+        yield
+    finally:
+        _CANON = old
+
+
 def to_expr(x) -> sympy.Expr:
     if isinstance(x, torch.SymInt):
-        return x.node.expr
-    if isinstance(x, (int, bool)):
-        return sympy.Integer(int(x))
-    if isinstance(x, sympy.Expr):
-        return x
-    raise LayoutError(f"not a size: {x!r}")
+        e = x.node.expr
+    elif isinstance(x, (int, bool)):
+        e = sympy.Integer(int(x))
+    elif isinstance(x, sympy.Expr):
+        e = x
+    else:
+        raise LayoutError(f"not a size: {x!r}")
+    return _CANON(e) if _CANON is not None else e
 
 
 def eq(a, b) -> bool:

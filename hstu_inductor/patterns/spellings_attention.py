@@ -11,13 +11,16 @@ Signature of every spelling: ``fn(q, k, v, offsets, num_targets=None, attn_scale
 
 ``NEAR_MISSES`` lists functions that look like HSTU attention but are not (or are not provably);
 the rewriter must leave them alone and report why.
+
+``DELTA_SPELLINGS`` / ``DELTA_NEAR_MISSES`` (at the end) are the same for cached (delta)
+attention, rewritten to ``hstu.delta_attention`` in inference only (``attn_delta.py``).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..reference import hstu_mha
+from ..reference import delta_hstu_mha, hstu_mha
 
 N = 8
 ALPHA = 0.5
@@ -334,4 +337,119 @@ NEAR_MISSES = {
     "length_normalised": (length_normalised, "not scale * silu"),
     "dropout": (dropout_weights, "dropout"),
     "scores_returned": (scores_returned, "outside the attention"),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Cached (delta) attention: ``fn(delta_q, k, v, offsets, num_targets=None, attn_scale=None)`` with
+# ``delta_q: [B*D, H, Dq]`` (the last D rows of every sequence, D = rows // B), jagged ``k, v``,
+# returning ``[B*D, H, Dv]``. Rewritten to ``hstu.delta_attention`` in inference only.
+
+def delta_reference(delta_q, k, v, offsets, num_targets=None, attn_scale=None):
+    """The project's reference ``delta_hstu_mha`` (``examples/export_aoti.py``'s CachedAttention):
+    cat+index pad of k/v, ``delta_q.reshape(B, D, H, Dq)``, einsum, id mask at query positions
+    ``n_b - D + d`` applied by a float multiply, ``silu(alpha*s) * (1/N)``."""
+    return delta_hstu_mha(N, ALPHA, delta_q, k, v, offsets, num_targets=num_targets, attn_scale=attn_scale)
+
+
+def delta_reference_window(delta_q, k, v, offsets, num_targets=None, attn_scale=None):
+    """``delta_hstu_mha`` with targets, a contextual prefix and a ``max_attn_len`` window."""
+    return delta_hstu_mha(N, ALPHA, delta_q, k, v, offsets, num_targets=num_targets, attn_scale=attn_scale,
+                          max_attn_len=WINDOW, contextual_seq_len=CONTEXT)
+
+
+def _delta_rows_tril(offsets, D, first=False):
+    """``[B, D, N]`` bool: rows of ``tril(ones(N, N))`` selected by advanced indexing at the
+    query positions ``n_b - D + d`` (``first=True``: rows ``0..D-1``, a near miss)."""
+    lengths = offsets[1:] - offsets[:-1]
+    d = torch.arange(D, device=offsets.device)
+    rows = d[None, :].expand(lengths.numel(), D) if first else lengths[:, None] - D + d[None, :]
+    tril = torch.ones(N, N, dtype=torch.bool, device=offsets.device).tril()
+    return tril[rows]
+
+
+def delta_einsum_tril_rows(delta_q, k, v, offsets, num_targets=None, attn_scale=None):
+    """index_put pad of k/v, ``delta_q.view(B, D, H, Dq)``, einsum ``bdhc,bnhc->bhdn``, ``F.silu``,
+    mask = the rows ``n_b-D..n_b-1`` of ``tril(ones(N, N))`` picked by indexing, ``* (1/N)``,
+    output ``einsum -> [B, D, H, Dv]`` reshaped to ``[B*D, H, Dv]``."""
+    B = offsets.numel() - 1
+    D = delta_q.shape[0] // B
+    kp, vp = _pad_index_put(k, offsets), _pad_index_put(v, offsets)
+    s = torch.einsum("bdhc,bnhc->bhdn", delta_q.view(B, D, *delta_q.shape[1:]), kp)
+    p = F.silu(ALPHA * s) * _delta_rows_tril(offsets, D)[:, None] * (1.0 / N)
+    out = torch.einsum("bhdn,bnhe->bdhe", p, vp)
+    return out.reshape(B * D, *out.shape[2:])
+
+
+def delta_bmm_targets_scale(delta_q, k, v, offsets, num_targets=None, attn_scale=None):
+    """scatter / index_copy pads on ``[L, H*D]``, heads-first ``bmm`` on ``[B*H, D|N, d]``, alpha
+    folded into ``delta_q``, ids clamped for ``num_targets`` gathered at the delta rows
+    (``eye | dist > 0``), ``masked_fill``, per-delta-row ``attn_scale [B*D]``."""
+    R, H, Dq = delta_q.shape
+    B = offsets.numel() - 1
+    D = R // B
+    L = k.shape[0]
+
+    def heads_first(t, rows):  # [B, rows, H, d] -> [B*H, rows, d]
+        return t.permute(0, 2, 1, 3).reshape(B * H, rows, -1)
+
+    qh = heads_first((delta_q * ALPHA).view(B, D, H, Dq), D)
+    kh = heads_first(_pad_scatter(k.reshape(L, -1), offsets).view(B, N, H, -1), N)
+    vh = heads_first(_pad_index_copy(v.reshape(L, -1), offsets).view(B, N, H, -1), N)
+    s = torch.bmm(qh, kh.transpose(1, 2))  # [B*H, D, N]
+    ids, _ = _ids(offsets, num_targets)  # [B, N]
+    lengths = offsets[1:] - offsets[:-1]
+    qpos = lengths[:, None] - D + torch.arange(D, device=offsets.device)[None, :]  # [B, D]
+    dist = torch.gather(ids, 1, qpos)[:, :, None] - ids[:, None, :]  # [B, D, N]
+    pos = torch.arange(N, device=offsets.device)
+    mask = ((qpos[:, :, None] == pos[None, None, :]) | (dist > 0)) & (pos[None, None, :] < lengths[:, None, None])
+    scale = attn_scale.view(B, 1, D, 1).expand(B, H, D, 1).reshape(B * H, D, 1)
+    p = F.silu(s).masked_fill(~mask.repeat_interleave(H, dim=0), 0.0) * scale
+    out = torch.bmm(p, vh).view(B, H, D, -1).permute(0, 2, 1, 3)  # [B, D, H, Dv]
+    return out.reshape(B * D, H, -1)
+
+
+#: name -> (function, needs num_targets, attn_scale ("scalar" / "row" / None), max_attn_len, contextual)
+DELTA_SPELLINGS = {
+    "delta_reference": (delta_reference, False, None, 0, 0),
+    "delta_reference_window": (delta_reference_window, True, "scalar", WINDOW, CONTEXT),
+    "delta_einsum_tril_rows": (delta_einsum_tril_rows, False, None, 0, 0),
+    "delta_bmm_targets_scale": (delta_bmm_targets_scale, True, "row", 0, 0),
+}
+
+
+def delta_first_rows(delta_q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Looks like ``delta_einsum_tril_rows`` but the mask treats delta_q as the *first* D rows."""
+    B = offsets.numel() - 1
+    D = delta_q.shape[0] // B
+    kp, vp = _pad_index_put(k, offsets), _pad_index_put(v, offsets)
+    s = torch.einsum("bdhc,bnhc->bhdn", delta_q.view(B, D, *delta_q.shape[1:]), kp)
+    p = F.silu(ALPHA * s) * _delta_rows_tril(offsets, D, first=True)[:, None] * (1.0 / N)
+    return torch.einsum("bhdn,bnhe->bdhe", p, vp).reshape(B * D, *v.shape[1:])
+
+
+def delta_no_mask(delta_q, k, v, offsets, num_targets=None, attn_scale=None):
+    """No causal mask: delta rows see the whole sequence (the op is causal only)."""
+    B = offsets.numel() - 1
+    D = delta_q.shape[0] // B
+    kp, vp = _pad_index_put(k, offsets), _pad_index_put(v, offsets)
+    s = torch.einsum("bdhc,bnhc->bhdn", delta_q.view(B, D, *delta_q.shape[1:]), kp)
+    return torch.einsum("bhdn,bnhe->bdhe", F.silu(ALPHA * s) / N, vp).reshape(B * D, *v.shape[1:])
+
+
+def delta_softmax(delta_q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Softmax over the delta scores (masked with -1e9): not HSTU."""
+    B = offsets.numel() - 1
+    D = delta_q.shape[0] // B
+    kp, vp = _pad_index_put(k, offsets), _pad_index_put(v, offsets)
+    s = torch.einsum("bdhc,bnhc->bhdn", delta_q.view(B, D, *delta_q.shape[1:]), kp) * ALPHA
+    s = s.masked_fill(~_delta_rows_tril(offsets, D)[:, None], -1e9)
+    return torch.einsum("bhdn,bnhe->bdhe", torch.softmax(s, -1), vp).reshape(B * D, *v.shape[1:])
+
+
+#: name -> (function, expected substring of the near-miss reason)
+DELTA_NEAR_MISSES = {
+    "delta_first_rows": (delta_first_rows, "not rows n_b-D..n_b-1"),
+    "delta_no_mask": (delta_no_mask, "not rows n_b-D..n_b-1"),
+    "delta_softmax": (delta_softmax, "softmax"),
 }

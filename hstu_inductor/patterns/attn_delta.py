@@ -1,0 +1,583 @@
+"""Cached (delta) attention: prove a plain-PyTorch subgraph equals ``hstu.delta_attention``.
+
+Semantics (``/work/shared/HSTU_SEMANTICS.md``, "Cached (delta) attention"): ``delta_q [B*D, H, Dq]``
+holds the last ``D`` positions of every sequence (dense, viewed ``[B, D, H, Dq]``); ``k, v`` are the
+full jagged tensors padded through ``offsets``; the output ``[B*D, H, Dv]`` equals rows
+``n_b-D .. n_b-1`` of the full causal HSTU attention (targets / contextual / window, ``f = 0``).
+
+The proof reuses the pieces of the full-attention prover (``attention.py``):
+
+1. **Anchor.** Same ``bmm`` pair ``O = X @ Y``, ``S = A @ K``, but ``S`` is ``[Z, D, N]`` (may be
+   rectangular). A candidate is *delta* when ``A`` walks back (layout ops, scalar multiplies) to a
+   tensor that is not produced by a pad (the dense ``delta_q``) while ``K`` walks back to a pad.
+2. **Structure (layout algebra).** ``delta_q [R, *F]`` is taken to be ``[B, D, *F]`` with
+   ``R = B * D`` (logical axes ``b, d, q*``); ``K`` and ``Y`` are pads of jagged ``k, v`` as in
+   full attention. Checked exactly: ``S`` pairs delta row ``d`` of sequence ``b`` with key row ``n``
+   of the same sequence and head, contracting the same q/k feature digits; ``X @ Y`` pairs the
+   same (sequence, head); the output, followed forward through layout ops, is
+   ``[B*D, features]`` (or ``[B, D, features]``) with features exactly (head, value feature).
+   In dynamic graphs ``D`` is spelled ``R // B`` (a floor division of two symbols); the algebra
+   then runs with ``R := B * delta`` for a fresh symbol ``delta`` (``attn_layout.canonical``).
+3. **Meaning (numeric probes, float64).** Pads of ``k``/``v`` must equal
+   ``reference.jagged_to_padded``; the score chain ``S -> X`` must equal
+   ``mask_delta(b, d, j) * c * s * silu(alpha * S)`` where ``mask_delta`` is rows
+   ``n_b - D + d`` of ``reference.hstu_mask`` (``query_positions``), with candidate constants
+   taken from the graph. Probes use random lengths in ``[D, N]`` (including ``D`` and ``N``) and
+   random ``num_targets``; a chain written for other rows (e.g. the first ``D``) fails here.
+4. **Inference only.** ``hstu.delta_attention`` has no autograd: a proven candidate whose inputs
+   may need gradients (grad mode on while compiling, or inputs marked ``requires_grad``) is
+   declined with "delta attention op is inference-only".
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import sympy
+import torch
+from torch.utils._sympy.functions import FloorDiv
+
+from ..reference import hstu_mask
+from . import attention as A
+from . import attn_layout as lay
+from .prover import (
+    Decline, _composition, close, closure, concrete, evaluate, hints, make_targets, mask_candidates,
+    scalar_constants, silu, solve_binding, sym_expr, valid_at,
+)
+
+aten = torch.ops.aten
+
+_PROBES = 10
+_MAX_PROBE_ELEMS = 6e7
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidate
+
+
+def is_candidate(S, pv) -> bool:
+    """``S``'s left operand is a dense (unpadded) tensor, its right operand and ``pv``'s right
+    operand are pads: the shape of cached attention."""
+    qD, _, _ = A.walk_operand(S.args[0])
+    kD, _, _ = A.walk_operand(S.args[1])
+    vD, _, _ = A.walk_operand(pv.args[1])
+    return (not A.is_pad(qD)) and A._is_float(qD) and A.is_pad(kD) and A.is_pad(vD)
+
+
+def _delta_rows(B, R):
+    """``(D, canon)``: the delta rows per sequence as a sympy expression and the size rewrite that
+    makes ``R == B * D`` visible to the layout algebra (None when not needed)."""
+    d = lay._divides(B, R)
+    if d is not None:
+        return d, None
+    if not isinstance(R, sympy.Symbol):
+        raise Decline(f"delta query rows {R} are not a multiple of the batch size {B}")
+    delta = sympy.Symbol("hstu_delta_rows", positive=True, integer=True)
+    def is_b(d):  # B itself, or max(1, B) (``max(B, 1)`` guards a division by zero in user code)
+        if sympy.expand(d - B) == 0:
+            return True
+        return type(d).__name__ == "Max" and len(d.args) == 2 and any(a == 1 for a in d.args) and any(
+            sympy.expand(a - B) == 0 for a in d.args)
+
+    def divides_by_b(x):
+        return isinstance(x, FloorDiv) and x.args[0] == R and is_b(x.args[1])
+
+    def canon(e):
+        if not e.has(R):
+            return e
+        e = e.replace(divides_by_b, lambda x: delta)
+        return sympy.expand(e.xreplace({R: B * delta}))
+
+    return delta, canon
+
+
+# ---------------------------------------------------------------------------------------------
+# Proof
+
+
+def prove_delta(gm, S, pv):
+    """Structural and numeric proof of a cached-attention candidate; returns the plan or raises."""
+    qsrc, qops, qfactor = A.walk_operand(S.args[0])
+    k = A._operand(S.args[1], "q")
+    order, leaves = closure([k.D], {k.src})
+    ints = [x for x in leaves if A._is_int_tensor(x)]
+    if len(ints) != 1 or A._val(ints[0]).dim() != 1:
+        raise Decline(f"pad of {k.src.name} does not depend on exactly one 1-D integer input (offsets)")
+    offsets = ints[0]
+    B0 = sym_expr(A._val(offsets).shape[0]) - 1
+    R0 = sym_expr(A._val(qsrc).shape[0])
+    Dd, canon = _delta_rows(B0, R0)
+    with lay.canonical(canon) if canon is not None else _null():
+        return _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0):
+    v = A._operand(pv.args[1], "v")
+    q = A.Operand(S.args[0], qsrc, qops, qfactor, qsrc, "q")
+    # features as one flat logical axis per source: delta_q [R, H, Dq] and k [L, H*Dq] line up
+    fq, axq = _flat_features(qsrc, "q")
+    fk, _ = _flat_features(k.src, "q")
+    fv, axv = _flat_features(v.src, "v")
+    if fq != fk:
+        raise Decline(f"delta q ({fq[0]}) and k ({fk[0]}) feature sizes differ")
+    dt = {A._val(x.src).dtype for x in (q, k, v)}
+    if len(dt) != 1:
+        raise Decline(f"delta q, k, v dtypes differ: {dt}")
+    if A._hint(A._val(k.src).shape[0]) != A._hint(A._val(v.src).shape[0]):
+        raise Decline("k and v have different numbers of jagged rows")
+    B = lay.to_expr(A._val(offsets).shape[0]) - 1
+
+    numel = sympy.Integer(1)
+    for s in A._val(k.D).shape:
+        numel = numel * sym_expr(s)
+    Nexpr = sympy.cancel(numel / ((sym_expr(A._val(offsets).shape[0]) - 1) * math.prod(fk)))
+    if not Nexpr.is_Integer or int(Nexpr) <= 0:
+        raise Decline(f"padded size of {k.src.name} is not B * N * features for a constant N ({Nexpr})")
+    N = int(Nexpr)
+    if Dd.is_Integer and not 1 <= int(Dd) <= N:
+        raise Decline(f"delta rows per sequence D={Dd} not in [1, N={N}]")
+
+    q.layout = A._through_layout(q.ops, lay.view(lay.source_layout([B, Dd, *fq], ["b", "d", *axq]),
+                                                 A._val(qsrc).shape))
+    for x, f, axes in ((k, fk, axq), (v, fv, axv)):
+        base = lay.source_layout([B, N, *f], ["b", "n", *axes])
+        x.layout = A._through_layout(x.ops, lay.view(base, A._val(x.D).shape))
+
+    QL, KL = q.layout, k.layout
+    if len(QL) != 3 or len(KL) != 3:
+        raise Decline("score product operands are not 3-D")
+    nkey = A._dimkey(((sympy.Integer(N), "n", sympy.Integer(1)),))
+    dkey = A._dimkey(((Dd, "d", sympy.Integer(1)),))
+    if A._dimkey(QL[1]) != dkey:
+        raise Decline("score product rows are not the delta rows of delta_q viewed [B, D, ...]")
+    if A._dimkey(KL[2]) != nkey:
+        raise Decline("score product does not pair delta rows with key rows of the padded sequences")
+    if A._dimkey(QL[2]) != A._dimkey(KL[1]) or not lay.normalize_dim(QL[2]):
+        raise Decline("score product does not contract the same q/k feature digits")
+    if A._dimkey(QL[0]) != A._dimkey(KL[0]):
+        raise Decline("score product batches delta q and k differently")
+    Z = lay.normalize_dim(QL[0])
+    bkey = A._key((B, "b", sympy.Integer(1)))
+    if [A._key(m) for m in Z].count(bkey) != 1 or any(m[1] != "b" and not str(m[1]).startswith("q") for m in Z):
+        raise Decline("score product batch is not (sequence, head)")
+    if any(m[1] is None for d in QL for m in d) or any(m[1] is None for d in KL for m in d):
+        raise Decline("score product broadcasts an operand")
+    c_modes = list(lay.normalize_dim(QL[2]))
+    if any(not str(m[1]).startswith("q") for m in c_modes):
+        raise Decline("score product contracts over something other than features")
+    head_modes = [m for m in Z if m[1] != "b"]
+    A._check_tiles(head_modes + c_modes, fq, axq, "score product")
+
+    plan = A.Plan(pv=pv, S=S, out=None, q=q, k=k, v=v, offsets=offsets, num_targets=None, N=N)
+    Y = v.layout
+    if len(Y) != 3 or A._dimkey(Y[1]) != nkey:
+        raise Decline("value product does not contract over key rows of the padded sequences")
+    plan.head_modes, plan.c_modes = head_modes, c_modes
+    plan.e_modes = list(lay.normalize_dim(Y[2]))
+    if any(m[1] is None or not m[1].startswith("v") for m in plan.e_modes) or any(m[1] is None for d in Y for m in d):
+        raise Decline("value product output dims are not value features")
+    plan._Y, plan._Z, plan._B = Y, Z, B
+    plan.Dd = Dd
+
+    # ---- score chain
+    Xnode = pv.args[0]
+    s_order, s_leaves, sderived, layouts, S_layout = A.score_subgraph(plan, Xnode, rows=Dd)
+    XL = layouts[Xnode]
+    if len(XL) != 3:
+        raise Decline("value product left operand is not 3-D")
+    if A._dimkey(XL[1]) != A._dimkey(((Dd, "i", sympy.Integer(1)),)) or \
+            A._dimkey(XL[2]) != A._dimkey(((sympy.Integer(N), "j", sympy.Integer(1)),)):
+        raise Decline("value product does not contract the scores over key rows")
+    XZ = lay.normalize_dim(XL[0])
+    if sorted(map(A._key, XZ)) != sorted(map(A._key, Z)) or any(m[1] is None for d in XL for m in d):
+        raise Decline("value product batch does not cover every (sequence, head) of the scores once")
+    YZ = lay.normalize_dim(Y[0])
+    if len(YZ) != len(XZ):
+        raise Decline("scores and values are batched differently (head layouts do not pair)")
+    pair = {}
+    for mx, mv in zip(XZ, YZ):
+        if mx[1] == "b":
+            if A._key(mv) != A._key(mx):
+                raise Decline("scores and values pair different sequences")
+        elif mv[1] is None or not mv[1].startswith("v") or not lay.eq(mx[0], mv[0]):
+            raise Decline("scores and values pair heads of different sizes")
+        else:
+            pair[A._key(mx)] = mv
+    plan.v_head_modes = [pair[A._key(m)] for m in head_modes]
+    A._check_tiles(plan.v_head_modes + plan.e_modes, fv, axv, "value product")
+
+    # side inputs of the score chain: num_targets [B] and attn_scale (scalar or per delta row [B*D])
+    nt, scale_leaf = None, None
+    rows_hint = A._hint(A._val(qsrc).shape[0])
+    for leaf in s_leaves:
+        if leaf is S or leaf is offsets:
+            continue
+        val = A._val(leaf)
+        if isinstance(val, torch.SymInt) or leaf.op == "get_attr":
+            continue
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            if val.dim() == 1 and A._hint(val.shape[0]) == A._hint(A._val(offsets).shape[0]) - 1 and nt is None \
+                    and leaf.op == "placeholder":
+                nt = leaf
+                continue
+            raise Decline(f"mask depends on input {leaf.name} of shape {tuple(val.shape)}, which is neither "
+                          f"offsets nor num_targets (data we do not model)")
+        if isinstance(val, torch.Tensor) and scale_leaf is None and (
+                val.numel() == 1 or (val.dim() == 1 and A._hint(val.shape[0]) == rows_hint)):
+            scale_leaf = leaf
+            continue
+        raise Decline(f"scores depend on tensor {leaf.name} of shape {tuple(getattr(val, 'shape', ()))} "
+                      f"(data we do not model)")
+    plan.num_targets = nt
+
+    # ---- output: pv forward through layout ops / scalar multiplies to [B*D, features]
+    out, chain, fo, out_rest, lead = _output(plan, pv, XL, Y, B, Dd)
+    plan.out, plan.out_rest, plan.out_lead = out, out_rest, lead
+
+    # ---- extra users
+    region = set(q.ops)
+    for x in (k, v):
+        order, _ = closure([x.D], {x.src})
+        region |= {n for n in order if A._is_float(n)}
+        region |= set(x.ops)
+    region |= set(sderived)
+    region |= {pv, *chain}
+    region.discard(out)
+    for n in region:
+        for u in n.users:
+            if u not in region and u is not out and u.target is not aten.sym_size.int and not A._is_dead(u):
+                raise Decline(f"intermediate {n.name} has a user outside the attention ({u.name}); "
+                              f"rewriting would keep it alive")
+
+    # ---- numeric proof
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, fo)
+
+    # ---- inference only
+    if _may_need_grad([qsrc, k.src, v.src, scale_leaf]):
+        raise Decline("delta attention op is inference-only (hstu.delta_attention has no autograd) and "
+                      "gradients may be needed here (grad mode on while compiling, or inputs require grad); "
+                      "run under torch.no_grad()/inference_mode to rewrite it")
+    return plan
+
+
+def _flat_features(src, prefix):
+    sizes, _ = A._feature_axes(src, prefix)
+    return [math.prod(sizes)], [f"{prefix}0"]
+
+
+def _output(plan, pv, XL, Y, B, Dd):
+    """Choose the last node of pv's single-user layout/scalar chain laid out as ``[B*D, feats]``
+    (or ``[B, D, feats]`` with static ``D``). Returns ``(node, chain up to it, factor, rest modes, lead)``."""
+    layout = (XL[0], ((Dd, "i", sympy.Integer(1)),), Y[2])
+    bi = tuple(A._key(m) for m in lay.normalize_dim(((B, "b", sympy.Integer(1)), (Dd, "i", sympy.Integer(1)))))
+    bkey = (A._key((B, "b", sympy.Integer(1))),)
+    ikey = A._dimkey(((Dd, "i", sympy.Integer(1)),))
+    want = sorted(A._key(m) for m in plan.head_modes + plan.e_modes)
+    cur, chain, factor, best = pv, [], 1.0, None
+    while True:
+        first = tuple(map(A._key, lay.normalize_dim(layout[0]))) if layout else ()
+        lead = None
+        if first == bi:
+            lead = 1
+        elif first == bkey and len(layout) >= 2 and A._dimkey(layout[1]) == ikey and Dd.is_Integer:
+            lead = 2
+        if lead is not None:
+            rest = [m for d in layout[lead:] for m in lay.normalize_dim(d)]
+            shape = A._val(cur).shape
+            if sorted(map(A._key, rest)) == want and not any(m[1] is None for m in rest) and all(
+                    lay.to_expr(s).is_Integer for s in shape[lead:]):
+                best = (cur, list(chain), factor, rest, lead)
+        _, step, _ = A.walk_forward(cur)
+        if not step:
+            break
+        nxt = step[0]
+        if lay.is_layout_node(nxt):
+            layout = lay.apply(nxt, layout)
+        else:  # scalar multiply / divide
+            a0, a1 = nxt.args
+            c = a1 if a0 is cur else a0
+            factor = factor * c if nxt.target in A._SCALAR_MUL else factor / c
+        chain.append(nxt)
+        cur = nxt
+    if best is None:
+        raise Decline("delta attention output is not laid out as [B*D, heads, value features] "
+                      "(or [B, D, ...]) after the value product")
+    node, chain, factor, rest, lead = best
+    return node, chain, factor, rest, lead
+
+
+def _may_need_grad(nodes) -> bool:
+    """Whether the delta attention's inputs may need gradients. Nodes carrying
+    ``meta["requires_grad"]`` or a grad-requiring value decide it; otherwise, under a
+    ``torch.compile`` trace (the retrace drops ``requires_grad``) grad mode decides, and outside
+    one (``torch.export`` programs, packaged for inference by AOTInductor) it does not."""
+    known = []
+    for n in nodes:
+        if n is None:
+            continue
+        if "requires_grad" in n.meta:
+            known.append(bool(n.meta["requires_grad"]))
+            continue
+        val = A._val(n)
+        if isinstance(val, torch.Tensor) and val.requires_grad:
+            return True
+        known.append(None)
+    if any(x is True for x in known):
+        return True
+    if known and all(x is False for x in known):
+        return False
+    if torch._guards.TracingContext.try_get() is None:
+        return False
+    return torch.is_grad_enabled()
+
+
+# ---------------------------------------------------------------------------------------------
+# Numeric proof
+
+
+def delta_probes(N, B, Dd, L, count, seed=0):
+    """``(D, lengths)`` probes: lengths in ``[D, N]`` (including D, D+1, N and N-1), ``B``/``D``/``L``
+    fixed where the graph is static."""
+    rng = random.Random(seed)
+    probes = []
+    for p in range(count):
+        b, d = _probe_sizes(N, B, Dd, L, [3, 2, 4, 3][p % 4], min(N, [2, 1, 3, N][p % 4]))
+        edges = [[N, d, d + 1], [d, N, N - 1], [d + 1, N, d], [N, N, d]][p % 4] if p < 8 else []
+        edges = [min(max(e, d), N) for e in edges]
+        if L is None:
+            lengths = [rng.randint(d, N) for _ in range(b)]
+            for slot, e in enumerate(edges[:b]):
+                lengths[(slot + p) % b] = e
+        else:
+            extra = L - b * d
+            if extra < 0 or extra > b * (N - d):
+                raise Decline(f"static sizes L={L}, B={b}, D={d}, N={N} admit no lengths in [D, N]")
+            lengths = [d + r for r in _composition(extra, b, N - d, rng, [e - d for e in edges])]
+        probes.append((d, lengths))
+    return probes
+
+
+def _probe_sizes(N, B, Dd, L, b_pref, d_pref):
+    """``(B, D)`` for a probe: the graph's static values, else the preferred ones, else the first
+    pair (``B >= 2``) that admits lengths in ``[D, N]`` summing to a static ``L``."""
+    def ok(b, d):
+        return L is None or b * d <= L <= b * N
+
+    b_opts = [B] if B is not None else [b_pref] + list(range(2, max(2, L or 0) + 1))
+    d_opts = [Dd] if Dd is not None else [d_pref] + list(range(1, N + 1))
+    for b in b_opts:
+        for d in d_opts:
+            if ok(b, d):
+                return b, d
+    raise Decline(f"static sizes (L={L}, B={B}, D={Dd}, N={N}) admit no sequence lengths in [D, N]")
+
+
+def _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, fo):
+    N = plan.N
+    k, v = plan.k, plan.v
+    Bexpr = sym_expr(A._val(plan.offsets).shape[0]) - 1
+    Dd = plan.Dd
+    base = hints(A._val(qsrc), A._val(k.src), A._val(plan.offsets), A._val(plan.S))
+    L0 = sym_expr(A._val(k.src).shape[0])
+    pads = []
+    for x in (k, v):
+        order, leaves = closure([x.D], {x.src})
+        A._check_leaves(leaves, {x.src, plan.offsets}, f"pad of {x.src.name}")
+        pads.append((x, order))
+    sym_leaves = [n for n in gm.graph.nodes if isinstance(A._val(n), torch.SymInt)
+                  and (n.op == "placeholder" or n.target is aten.sym_size.int)]
+
+    probes = delta_probes(N, int(Bexpr) if Bexpr.is_Integer else None, int(Dd) if Dd.is_Integer else None,
+                          int(L0) if L0.is_Integer else None, _PROBES, seed=1234)
+    rng = random.Random(99)
+    gen = torch.Generator().manual_seed(4321)
+    floats, ints = scalar_constants(s_order)
+    alphas = sorted({1.0} | {c for c in floats if c != 0} | {1.0 / c for c in floats if c != 0})
+    mask_ints = {i for i in ints if 0 < i <= N + 1}
+    chosen = None
+    for p, (Dp, lengths) in enumerate(probes):
+        Bp, Lp = len(lengths), sum(lengths)
+        pairs = [(sym_expr(A._val(plan.offsets).shape[0]), Bp + 1), (R0, Bp * Dp)]
+        pairs += [(sym_expr(A._val(x.src).shape[0]), Lp) for x in (k, v)]
+        if scale_leaf is not None and A._val(scale_leaf).dim() == 1 and A._val(scale_leaf).numel() != 1:
+            pairs.append((sym_expr(A._val(scale_leaf).shape[0]), Bp * Dp))
+        if plan.num_targets is not None:
+            pairs.append((sym_expr(A._val(plan.num_targets).shape[0]), Bp))
+        binding = solve_binding(pairs, base)
+        if not Dd.is_Integer:
+            binding[Dd] = Dp
+        off = torch.tensor([0] + list(A.itertools_accumulate(lengths)), dtype=A._val(plan.offsets).dtype)
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        env0 = {plan.offsets: off}
+        for s in sym_leaves:
+            try:
+                env0[s] = concrete(A._val(s), binding)
+            except Decline:
+                pass
+        targets = None
+        if plan.num_targets is not None:
+            targets = torch.tensor(make_targets(lengths, rng, p), dtype=A._val(plan.num_targets).dtype)
+            env0[plan.num_targets] = targets
+        cost = 0
+        for n in [*s_order, *(n for _, order in pads for n in order)]:
+            val = A._val(n)
+            if isinstance(val, torch.Tensor):
+                cost += math.prod(concrete(s, binding) for s in val.shape)
+        if cost > _MAX_PROBE_ELEMS:
+            raise Decline(f"too large to prove numerically at these static sizes ({cost:.2g} elements per probe)")
+
+        for x, order in pads:
+            shape = [concrete(s, binding) for s in A._val(x.src).shape]
+            src = A._rand(shape, gen)
+            env = evaluate(gm, order, {**env0, x.src: src})
+            got = env[x.D]
+            ref = A.reference_pad(src, off, N)
+            if got.numel() != ref.numel() or not torch.equal(got.reshape(-1).to(torch.float64), ref.reshape(-1)):
+                raise Decline(f"pad of {x.src.name} is not jagged_to_padded(offsets, N={N}) with zero padding")
+
+        Sc = lay.concretize(S_layout, binding)
+        Sshape = [concrete(s, binding) for s in A._val(plan.S).shape]
+        crdS = lay.coords(Sc, Sshape)
+        S_probe = A._rand(Sshape, gen) * (crdS["j"] < lens[crdS["b"]])
+        env = dict(env0)
+        env[plan.S] = S_probe
+        scale_probe = None
+        if scale_leaf is not None:
+            sshape = [concrete(s, binding) for s in A._val(scale_leaf).shape]
+            scale_probe = torch.rand(sshape, generator=gen, dtype=torch.float64) + 0.5
+            env[scale_leaf] = scale_probe
+        env = evaluate(gm, s_order, env)
+        X = env[plan.pv.args[0]]
+        crd = lay.coords(lay.concretize(layouts[plan.pv.args[0]], binding), list(X.shape))
+        bb, ii, jj = crd["b"], crd["i"], crd["j"]
+        in_seq = (jj < lens[bb]).expand(X.shape)
+        S_at = lay.gather(S_probe, Sc, crd).expand(X.shape)
+        if not bool(torch.isfinite(X).all()):
+            raise Decline("scores are not finite on padding positions (e.g. -inf masking)")
+        if scale_probe is None:
+            s_at = torch.ones((), dtype=torch.float64)
+        elif scale_probe.numel() == 1:
+            s_at = scale_probe.reshape(())
+        else:
+            s_at = scale_probe.reshape(Bp, Dp)[bb, ii].expand(X.shape)
+        qpos = lens[:, None] - Dp + torch.arange(Dp)[None, :]  # [B, D]: raw positions of the delta rows
+        if chosen is None:
+            chosen = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, qpos, targets, N, alphas, mask_ints,
+                          plan.num_targets is not None)
+        alpha, c0, params = chosen
+        _, w, c, _ = params
+        mref = hstu_mask(lens, N, targets, w, c, 0, True, qpos)[bb, ii, jj].expand(X.shape)
+        expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
+        if not close(torch.where(in_seq, X, 0.0), torch.where(in_seq, expect, 0.0)):
+            raise Decline(f"delta scores differ from mask(rows n_b-D..n_b-1) * scale * silu(alpha * qk) on probe "
+                          f"{p} (D={Dp}, lengths {lengths})")
+
+    alpha, c0, params = chosen
+    plan.alpha = float(alpha * plan.q.factor * k.factor)
+    plan.params = params
+    factor = c0 * v.factor * fo
+    if scale_leaf is None:
+        plan.scale = None if abs(factor * N - 1.0) <= 1e-9 else float(factor)
+    else:
+        plan.scale_node, plan.scale_factor = scale_leaf, float(factor)
+
+
+def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, qpos, targets, N, alphas, mask_ints, has_targets):
+    """``(alpha, c0, params)`` with X == mask_delta * c0 * s * silu(alpha S) on in-sequence keys."""
+    obs = (X != 0) & in_seq
+    flat_idx = torch.nonzero(in_seq.reshape(-1)).reshape(-1)
+    if flat_idx.numel() == 0:
+        raise Decline("probe has no in-sequence positions")
+    if flat_idx.numel() > 200000:
+        flat_idx = flat_idx[torch.randperm(flat_idx.numel(), generator=torch.Generator().manual_seed(0))[:200000]]
+    b_s, d_s, j_s = (t.expand(X.shape).reshape(-1)[flat_idx] for t in (bb, ii, jj))
+    i_s = qpos[b_s, d_s]
+    o_s = obs.reshape(-1)[flat_idx]
+    params = None
+    for cand in mask_candidates(mask_ints, N, has_targets):
+        causal, w, c, f = cand
+        if not causal or f != 0:  # the op is causal with min_full_attn_seq_len = 0
+            continue
+        if torch.equal(valid_at(b_s, i_s, j_s, lens, targets, w, c, 0, True), o_s):
+            full = hstu_mask(lens, N, targets, w, c, 0, True, qpos)[bb, ii, jj].expand(X.shape)
+            if torch.equal(full & in_seq, obs):
+                params = cand
+                break
+    if params is None:
+        raise Decline("delta attention mask is not rows n_b-D..n_b-1 of a causal HSTU mask for any "
+                      "(max_attn_len, contextual_seq_len) taken from the graph's constants "
+                      "(queries not the last D rows of each sequence?)")
+    a, c0 = A.fit_alpha(X, S_at, s_at, obs, alphas)
+    return a, c0, params
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewrite
+
+
+def rewrite_delta(gm, plan):
+    graph = gm.graph
+    q, k, v = plan.q, plan.k, plan.v
+    fq = [math.prod(int(s) for s in A._val(q.src).shape[1:])]  # flat feature axes (see _prove)
+    fv = [math.prod(int(s) for s in A._val(v.src).shape[1:])]
+    with graph.inserting_before(plan.out):
+        q3 = A._regroup(graph, q.src, fq, "q", [plan.head_modes, plan.c_modes])
+        k3 = A._regroup(graph, k.src, fq, "q", [plan.head_modes, plan.c_modes])
+        v3 = A._regroup(graph, v.src, fv, "v", [plan.v_head_modes, plan.e_modes])
+        dtype = A._val(q.src).dtype
+        scale = None
+        if plan.scale_node is not None:
+            scale = plan.scale_node
+            if A._val(scale).dtype != dtype:
+                scale = A._emit(graph, aten._to_copy.default, [scale], {"dtype": dtype})
+            if plan.scale_factor != 1.0:
+                scale = A._emit(graph, aten.mul.Tensor, [scale, plan.scale_factor])
+        elif plan.scale is not None:
+            scale = A._emit(graph, aten.scalar_tensor.default, [plan.scale],
+                            {"dtype": dtype, "device": A._val(q.src).device})
+        _, w, c, _ = plan.params
+        y = A._emit(graph, torch.ops.hstu.delta_attention.default,
+                    [q3, k3, v3, plan.offsets, plan.N, plan.alpha, plan.num_targets, scale, w, c])
+        heads = [int(m[0]) for m in plan.head_modes]
+        es = [int(m[0]) for m in plan.e_modes]
+        ykeys = [A._key(m) for m in list(plan.head_modes) + list(plan.e_modes)]
+        perm = [ykeys.index(A._key(m)) + 1 for m in plan.out_rest]
+        x = A._reshape(graph, y, [*heads, *es])
+        if perm != sorted(perm):
+            x = A._emit(graph, aten.permute.default, [x, [0, *perm]])
+        out_val = A._val(plan.out)
+        x = A._reshape(graph, x, [int(s) for s in out_val.shape[1:]])
+        if out_val.dtype != dtype:
+            x = A._emit(graph, aten._to_copy.default, [x], {"dtype": out_val.dtype})
+    plan.out.replace_all_uses_with(x)
+
+
+def describe_delta(plan) -> str:
+    _, w, c, _ = plan.params
+    parts = [f"N={plan.N}", f"D={plan.Dd}" if plan.Dd.is_Integer else "D=R//B (dynamic)", f"alpha={plan.alpha:g}",
+             f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
+    if plan.scale_node is not None:
+        parts.append(f"attn_scale={plan.scale_node.name}" + (f"*{plan.scale_factor:g}" if plan.scale_factor != 1 else ""))
+    elif plan.scale is not None:
+        parts.append(f"scale={plan.scale:g}")
+    else:
+        parts.append("scale=1/N")
+    if plan.num_targets is not None:
+        parts.append(f"num_targets={plan.num_targets.name}")
+    if w:
+        parts.append(f"max_attn_len={w}")
+    if c:
+        parts.append(f"contextual_seq_len={c}")
+    pads = sorted({A._name(x.D) for x in (plan.k, plan.v)})
+    return f"delta (cached) silu attention ({', '.join(parts)}; k/v pad via {'/'.join(pads)}, dense delta_q)"
