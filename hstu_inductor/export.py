@@ -128,8 +128,10 @@ def aoti_compile_and_package(ep: ExportedProgram, package_path: str | None = Non
     if package_path is None:
         package_path = os.path.join(tempfile.mkdtemp(prefix="hstu_aoti_"), "model.pt2")
     configs = dict(inductor_configs)
-    # AOTI autotunes the Triton kernels while compiling, by default on random buffers: random
-    # offsets violate the jagged contract (out-of-range gathers). Tune on the program's own inputs.
+    # AOTI autotunes kernels while compiling, by default running the wrapper on random buffers:
+    # random offsets violate the jagged contract (out-of-range gathers -> device asserts). The
+    # two-pass mode tunes on the program's real example inputs instead.
+    configs.setdefault("triton.autotune_at_compile_time", False)
     configs.setdefault("triton.autotune_with_sample_inputs", True)
     configs["post_grad_custom_post_pass"] = _with_audit(configs.get("post_grad_custom_post_pass"))
     return torch._inductor.aoti_compile_and_package(ep, package_path=package_path, inductor_configs=configs)
