@@ -66,6 +66,8 @@ def build_provider(name, N, alpha, num_targets):
         return hstu_mha(N, alpha, q, k, v, off, causal=True, dropout_pr=0.0, training=True, num_targets=num_targets)
 
     if name in ("eager", "inductor", "hstu_backend"):
+        # the timed backward re-runs one graph (retain_graph=True); donated buffers forbid that
+        torch._functorch.config.donated_buffer = False
         if name == "eager":
             fn = ref
         elif name == "inductor":

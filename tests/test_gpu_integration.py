@@ -96,16 +96,18 @@ def test_cuda_package_contains_kernels(tmp_path):
         blobs = b"".join(z.read(n) for n in names)
     assert any(n.endswith((".cubin", ".hsaco", ".fatbin")) for n in names), names
     assert b"_hstu_fwd_kernel" in blobs and b"hstu::" not in blobs
-    runner = torch._inductor.aoti_load_package(path)
+    # Loading runs in a subprocess only: on the device machines any CUDA .pt2 segfaults on load.
     with torch.no_grad():
-        assert rel_err(runner(ids, off), model(ids, off)) < FP32_TOL
-    torch.save({"ids": ids.cpu(), "off": off.cpu()}, tmp_path / "in.pt")
+        expected = model(ids, off).cpu()
+    torch.save({"ids": ids.cpu(), "off": off.cpu(), "expected": expected}, tmp_path / "io.pt")
     script = f"""
 import sys, torch
-d = torch.load({str(tmp_path / 'in.pt')!r})
-out = torch._inductor.aoti_load_package({path!r})(d["ids"].cuda(), d["off"].cuda())
+d = torch.load({str(tmp_path / 'io.pt')!r})
+out = torch._inductor.aoti_load_package({path!r})(d["ids"].cuda(), d["off"].cuda()).cpu()
 assert "hstu_inductor" not in sys.modules
-print("fresh-process ok", tuple(out.shape))
+err = ((out - d["expected"]).norm() / d["expected"].norm()).item()
+assert err < {FP32_TOL}, err
+print("fresh-process ok", err)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     if proc.returncode == -11:

@@ -379,6 +379,17 @@ def _no_lost_grad(src):
         cur = cur.args[0]
 
 
+def _large_proof_ok(cost) -> bool:
+    """Whether a probe of ``cost`` float64 elements fits comfortably in this machine's memory."""
+    try:
+        import os
+
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return cost * 8 * 2 < avail
+
+
 def analyse(S, pv) -> Plan:
     """Structural part of the proof. Raises Decline."""
     q = _operand(S.args[0], "q")
@@ -518,8 +529,10 @@ class _Probe:
     nt: Optional[torch.Tensor]
 
 
-_MAX_PROBE_ELEMS = 6e7   # per probe, summed over the evaluated nodes
+_MAX_PROBE_ELEMS = 6e7   # per probe, summed over the evaluated nodes: the full probe set
+_MAX_LARGE_PROBE_ELEMS = 8e8  # up to this, fewer probes (real N >= 1024 needs ~2e8 at the smallest batch)
 _PROBES = 10
+_LARGE_PROBES = 4  # the first probes of make_probes already hold the edge lengths 0, 1 and N
 
 
 def prove(gm, S, pv) -> Plan:
@@ -719,8 +732,12 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
             if isinstance(val, torch.Tensor):
                 cost += math.prod(concrete(s, binding) for s in val.shape)
         if cost > _MAX_PROBE_ELEMS:
-            raise Decline(f"too large to prove numerically at these static sizes ({cost:.2g} elements per probe); "
-                          f"dynamic batch sizes (mark_dynamic) allow a reduced-batch proof")
+            if cost > _MAX_LARGE_PROBE_ELEMS or not _large_proof_ok(cost):
+                raise Decline(f"too large to prove numerically ({cost:.2g} elements per probe"
+                              + (", static batch size" if B_static else "")
+                              + "); dynamic batch sizes (mark_dynamic) allow a reduced-batch proof")
+            if p >= _LARGE_PROBES:
+                break  # large sizes: the first probes (edge lengths, targets) are the proof
 
         # pads
         for x, order in pads:
