@@ -530,7 +530,7 @@ class _Probe:
 
 
 _MAX_PROBE_ELEMS = 6e7   # per probe, summed over the evaluated nodes: the full probe set
-_MAX_LARGE_PROBE_ELEMS = 8e8  # up to this, fewer probes (real N >= 1024 needs ~2e8 at the smallest batch)
+_MAX_LARGE_PROBE_ELEMS = 3e9  # up to this, fewer probes when memory allows (N=2048 needs ~8e8)
 _PROBES = 10
 _LARGE_PROBES = 4  # the first probes of make_probes already hold the edge lengths 0, 1 and N
 
