@@ -447,9 +447,21 @@ def delta_softmax(delta_q, k, v, offsets, num_targets=None, attn_scale=None):
     return torch.einsum("bhdn,bnhe->bdhe", torch.softmax(s, -1), vp).reshape(B * D, *v.shape[1:])
 
 
+def delta_rows_d_major(delta_q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Reads delta_q as ``[D, B, H, Dq]`` (row-major in d, not in b): row ``r`` is not row
+    ``r % D`` of sequence ``r // D``; the layout algebra rejects it."""
+    B = offsets.numel() - 1
+    D = delta_q.shape[0] // B
+    kp, vp = _pad_index_put(k, offsets), _pad_index_put(v, offsets)
+    qd = delta_q.view(D, B, *delta_q.shape[1:]).transpose(0, 1)
+    p = F.silu(ALPHA * torch.einsum("bdhc,bnhc->bhdn", qd, kp)) * _delta_rows_tril(offsets, D)[:, None] / N
+    return torch.einsum("bhdn,bnhe->bdhe", p, vp).reshape(B * D, *v.shape[1:])
+
+
 #: name -> (function, expected substring of the near-miss reason)
 DELTA_NEAR_MISSES = {
     "delta_first_rows": (delta_first_rows, "not rows n_b-D..n_b-1"),
+    "delta_rows_d_major": (delta_rows_d_major, "not the delta rows"),
     "delta_no_mask": (delta_no_mask, "not rows n_b-D..n_b-1"),
     "delta_softmax": (delta_softmax, "softmax"),
 }
