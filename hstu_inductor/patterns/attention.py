@@ -379,6 +379,22 @@ def _no_lost_grad(src):
         cur = cur.args[0]
 
 
+def probe_scale(scale_leaf, binding, gen, env):
+    """A fresh positive ``attn_scale`` probe bound to ``scale_leaf`` in ``env`` (None if no scale)."""
+    if scale_leaf is None:
+        return None
+    shape = [concrete(s, binding) for s in _val(scale_leaf).shape]
+    env[scale_leaf] = torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5
+    return env[scale_leaf]
+
+
+def scalar_scale(scale_probe):
+    """``s_i`` when it is the same for every row (1 without a scale tensor), else None."""
+    if scale_probe is None:
+        return torch.ones((), dtype=torch.float64)
+    return scale_probe.reshape(()) if scale_probe.numel() == 1 else None
+
+
 def _large_proof_ok(cost) -> bool:
     """Whether a probe of ``cost`` float64 elements fits comfortably in this machine's memory."""
     try:
@@ -411,7 +427,6 @@ def analyse(S, pv) -> Plan:
         raise Decline(f"pad of {q.src.name} does not depend on exactly one 1-D integer input (offsets)")
     offsets = ints[0]
     B = sym_expr(_val(offsets).shape[0]) - 1
-    Lq = sym_expr(_val(q.src).shape[0])
     for x in (k, v):  # separate symbols are fine (the jagged contract makes them equal), hints must agree
         if _hint(_val(x.src).shape[0]) != _hint(_val(q.src).shape[0]):
             raise Decline("q, k, v have different numbers of jagged rows")
@@ -757,11 +772,7 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
         S_probe = _rand(Sshape, gen) * in_seq_S
         env = dict(env0)
         env[plan.S] = S_probe
-        scale_probe = None
-        if scale_leaf is not None:
-            sshape = [concrete(s, binding) for s in _val(scale_leaf).shape]
-            scale_probe = torch.rand(sshape, generator=gen, dtype=torch.float64) + 0.5
-            env[scale_leaf] = scale_probe
+        scale_probe = probe_scale(scale_leaf, binding, gen, env)
         env = evaluate(gm, s_order, env)
         X = env[plan.pv.args[0]]
         XLc = lay.concretize(layouts[plan.pv.args[0]], binding)
@@ -772,11 +783,8 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
         S_at = lay.gather(S_probe, Sc, crd).expand(X.shape)
         if not bool(torch.isfinite(X).all()):
             raise Decline("scores are not finite on padding positions (e.g. -inf masking)")
-        if scale_probe is None:
-            s_at = torch.ones((), dtype=torch.float64)
-        elif scale_probe.numel() == 1:
-            s_at = scale_probe.reshape(())
-        else:
+        s_at = scalar_scale(scale_probe)
+        if s_at is None:
             s_at = lay.gather(reference_pad(scale_probe, off, N), (((Bp, "b", 1),), ((N, "i", 1),)),
                               crd).expand(X.shape)
         if chosen is None:

@@ -452,11 +452,7 @@ def _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, f
         S_probe = A._rand(Sshape, gen) * (crdS["j"] < lens[crdS["b"]])
         env = dict(env0)
         env[plan.S] = S_probe
-        scale_probe = None
-        if scale_leaf is not None:
-            sshape = [concrete(s, binding) for s in A._val(scale_leaf).shape]
-            scale_probe = torch.rand(sshape, generator=gen, dtype=torch.float64) + 0.5
-            env[scale_leaf] = scale_probe
+        scale_probe = A.probe_scale(scale_leaf, binding, gen, env)
         env = evaluate(gm, s_order, env)
         X = env[plan.pv.args[0]]
         crd = lay.coords(lay.concretize(layouts[plan.pv.args[0]], binding), list(X.shape))
@@ -465,11 +461,8 @@ def _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, f
         S_at = lay.gather(S_probe, Sc, crd).expand(X.shape)
         if not bool(torch.isfinite(X).all()):
             raise Decline("scores are not finite on padding positions (e.g. -inf masking)")
-        if scale_probe is None:
-            s_at = torch.ones((), dtype=torch.float64)
-        elif scale_probe.numel() == 1:
-            s_at = scale_probe.reshape(())
-        else:
+        s_at = A.scalar_scale(scale_probe)
+        if s_at is None:
             s_at = scale_probe.reshape(Bp, Dp)[bb, ii].expand(X.shape)
         qpos = lens[:, None] - Dp + torch.arange(Dp)[None, :]  # [B, D]: raw positions of the delta rows
         if chosen is None:
