@@ -1,8 +1,17 @@
-"""How Inductor and AOTInductor lower ``torch.ops.hstu.*``.
+"""How Inductor and AOTInductor lower ``torch.ops.hstu.*`` (design note; no code lives here yet).
 
-Current state: the hstu ops are opaque ``torch.library.custom_op`` s, so Inductor emits a fallback
-call to their CUDA implementation (which launches the Triton kernels of ``hstu_inductor.kernels``)
-and schedules its own fused code around it. Moving the kernels *into* Inductor's generated code
-(``triton_op`` + ``wrap_triton``, needed for AOTInductor packages that load without Python) is
-tracked by the lowerings/AOTI issue.
+The hstu ops are ``torch.library.triton_op`` s (``hstu_inductor/ops``) whose bodies launch the
+Triton kernels of ``hstu_inductor.kernels`` through ``torch.library.wrap_triton`` on CUDA and run
+plain ATen (the eager reference) elsewhere. Consequences:
+
+* AOTAutograd decomposes each op into its body, so Inductor's generated code - and an
+  AOTInductor package - contains our kernels as user-defined Triton kernels (or ATen on CPU),
+  with no call back into Python; ``torch.export`` keeps the ops as single nodes.
+* No private Inductor API (``register_lowering``, ``TritonTemplate``) is needed, which keeps the
+  design stable from torch 2.11 to 2.13+. The one version-sensitive helper, the symbolic-shape
+  query used while tracing the kernels' host code, lives in ``hstu_inductor._compat``.
+
+This package is where Inductor lowerings/templates would go if autotuning the kernels *inside*
+Inductor's own template selection (e.g. TMA and non-TMA variants as template choices) proves
+worth it; measurements that motivate it are in ``benchmarks/RESULTS.md``.
 """
