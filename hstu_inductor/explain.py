@@ -13,7 +13,8 @@ def explain(model_or_fn, *args, dynamic=None, **kwargs) -> RewriteReport:
 
     The report's ``.counts`` (``attention``/``preprocess``/``output``), ``.near_misses`` and
     ``.output`` (the compiled result) cover this call only. Dynamo's cache is reset first so
-    every graph is compiled (and reported) afresh.
+    every graph is compiled (and reported) afresh; note that this also discards code compiled
+    earlier in the process (it recompiles on its next call).
     """
     from .backend import hstu_backend
 
