@@ -825,16 +825,22 @@ def itertools_accumulate(xs):
         yield acc
 
 
+def sample_in_sequence(X, in_seq, *coords, limit=200000):
+    """Flat indices of (at most ``limit``, fixed-seed random) in-sequence probe positions of ``X``
+    and each coordinate tensor gathered there."""
+    flat_idx = torch.nonzero(in_seq.reshape(-1)).reshape(-1)
+    if flat_idx.numel() == 0:
+        raise Decline("probe has no in-sequence positions")
+    if flat_idx.numel() > limit:
+        flat_idx = flat_idx[torch.randperm(flat_idx.numel(), generator=torch.Generator().manual_seed(0))[:limit]]
+    return flat_idx, [t.expand(X.shape).reshape(-1)[flat_idx] for t in coords]
+
+
 def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, N, alphas, mask_ints, has_targets):
     """Find (alpha, c0, mask params) with X == mask * c0 * s * silu(alpha S) on in-sequence positions."""
     obs = (X != 0) & in_seq
     # mask parameters: cheap filter on a sample, then the full reference mask
-    flat_idx = torch.nonzero(in_seq.reshape(-1)).reshape(-1)
-    if flat_idx.numel() == 0:
-        raise Decline("probe has no in-sequence positions")
-    if flat_idx.numel() > 200000:
-        flat_idx = flat_idx[torch.randperm(flat_idx.numel(), generator=torch.Generator().manual_seed(0))[:200000]]
-    b_s, i_s, j_s = (t.expand(X.shape).reshape(-1)[flat_idx] for t in (bb, ii, jj))
+    flat_idx, (b_s, i_s, j_s) = sample_in_sequence(X, in_seq, bb, ii, jj)
     o_s = obs.reshape(-1)[flat_idx]
     params = None
     for cand in mask_candidates(mask_ints, N, has_targets):

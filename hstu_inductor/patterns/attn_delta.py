@@ -489,12 +489,7 @@ def _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, f
 def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, qpos, targets, N, alphas, mask_ints, has_targets):
     """``(alpha, c0, params)`` with X == mask_delta * c0 * s * silu(alpha S) on in-sequence keys."""
     obs = (X != 0) & in_seq
-    flat_idx = torch.nonzero(in_seq.reshape(-1)).reshape(-1)
-    if flat_idx.numel() == 0:
-        raise Decline("probe has no in-sequence positions")
-    if flat_idx.numel() > 200000:
-        flat_idx = flat_idx[torch.randperm(flat_idx.numel(), generator=torch.Generator().manual_seed(0))[:200000]]
-    b_s, d_s, j_s = (t.expand(X.shape).reshape(-1)[flat_idx] for t in (bb, ii, jj))
+    flat_idx, (b_s, d_s, j_s) = A.sample_in_sequence(X, in_seq, bb, ii, jj)
     i_s = qpos[b_s, d_s]
     o_s = obs.reshape(-1)[flat_idx]
     params = None
