@@ -933,44 +933,55 @@ def rewrite(gm, plan: Plan):
         q3 = _regroup(graph, q.src, fq, "q", [plan.head_modes, plan.c_modes])
         k3 = q3 if k.src is q.src else _regroup(graph, k.src, fq, "q", [plan.head_modes, plan.c_modes])
         v3 = _regroup(graph, v.src, fv, "v", [plan.v_head_modes, plan.e_modes])
-        scale = None
         dtype = _val(q.src).dtype
-        if plan.scale_node is not None:
-            scale = plan.scale_node
-            if _val(scale).dtype != dtype:
-                scale = _emit(graph, aten._to_copy.default, [scale], {"dtype": dtype})
-            if plan.scale_factor != 1.0:
-                scale = _emit(graph, aten.mul.Tensor, [scale, plan.scale_factor])
-        elif plan.scale is not None:
-            scale = _emit(graph, aten.scalar_tensor.default, [plan.scale],
-                          {"dtype": dtype, "device": _val(q.src).device})
+        scale = emit_scale(graph, plan, dtype, _val(q.src).device)
         causal, w, c, f = plan.params
         y = _emit(graph, torch.ops.hstu.attention.default,
                   [q3, k3, v3, plan.offsets, plan.N, plan.alpha, plan.num_targets, scale, w, c, f, causal])
-        heads = [int(m[0]) for m in plan.head_modes]
-        es = [int(m[0]) for m in plan.e_modes]
-        ymodes = list(plan.head_modes) + list(plan.e_modes)
-        ykeys = [_key(m) for m in ymodes]
-        perm = [ykeys.index(_key(m)) + 1 for m in plan.out_rest]
-        x = _reshape(graph, y, [*heads, *es])
-        if perm != sorted(perm):
-            x = _emit(graph, aten.permute.default, [x, [0, *perm]])
-        out_val = _val(plan.out)
-        x = _reshape(graph, x, [int(s) for s in out_val.shape[1:]])
-        if out_val.dtype != dtype:
-            x = _emit(graph, aten._to_copy.default, [x], {"dtype": out_val.dtype})
+        replace_output(graph, plan, y, dtype)
+
+
+def emit_scale(graph, plan, dtype, device):
+    """The ``attn_scale`` argument for the hstu op: the user's scale tensor (cast, times a proven
+    constant factor), a proven scalar as a 0-d tensor, or None for the default 1/N."""
+    if plan.scale_node is not None:
+        scale = plan.scale_node
+        if _val(scale).dtype != dtype:
+            scale = _emit(graph, aten._to_copy.default, [scale], {"dtype": dtype})
+        if plan.scale_factor != 1.0:
+            scale = _emit(graph, aten.mul.Tensor, [scale, plan.scale_factor])
+        return scale
+    if plan.scale is not None:
+        return _emit(graph, aten.scalar_tensor.default, [plan.scale], {"dtype": dtype, "device": device})
+    return None
+
+
+def replace_output(graph, plan, y, dtype):
+    """Lay the op's ``[rows, H, Dv]`` result out as the user's output node and substitute it."""
+    heads = [int(m[0]) for m in plan.head_modes]
+    es = [int(m[0]) for m in plan.e_modes]
+    ykeys = [_key(m) for m in list(plan.head_modes) + list(plan.e_modes)]
+    perm = [ykeys.index(_key(m)) + 1 for m in plan.out_rest]
+    x = _reshape(graph, y, [*heads, *es])
+    if perm != sorted(perm):
+        x = _emit(graph, aten.permute.default, [x, [0, *perm]])
+    out_val = _val(plan.out)
+    x = _reshape(graph, x, [int(s) for s in out_val.shape[1:]])
+    if out_val.dtype != dtype:
+        x = _emit(graph, aten._to_copy.default, [x], {"dtype": out_val.dtype})
     plan.out.replace_all_uses_with(x)
+
+
+def describe_scale(plan) -> str:
+    if plan.scale_node is not None:
+        return f"attn_scale={plan.scale_node.name}" + (f"*{plan.scale_factor:g}" if plan.scale_factor != 1 else "")
+    return f"scale={plan.scale:g}" if plan.scale is not None else "scale=1/N"
 
 
 def describe(plan: Plan) -> str:
     causal, w, c, f = plan.params
     parts = [f"N={plan.N}", f"alpha={plan.alpha:g}", f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
-    if plan.scale_node is not None:
-        parts.append(f"attn_scale={plan.scale_node.name}" + (f"*{plan.scale_factor:g}" if plan.scale_factor != 1 else ""))
-    elif plan.scale is not None:
-        parts.append(f"scale={plan.scale:g}")
-    else:
-        parts.append("scale=1/N")
+    parts.append(describe_scale(plan))
     if plan.num_targets is not None:
         parts.append(f"num_targets={plan.num_targets.name}")
     if not causal:

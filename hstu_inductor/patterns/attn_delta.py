@@ -524,43 +524,18 @@ def rewrite_delta(gm, plan):
         k3 = A._regroup(graph, k.src, fq, "q", [plan.head_modes, plan.c_modes])
         v3 = A._regroup(graph, v.src, fv, "v", [plan.v_head_modes, plan.e_modes])
         dtype = A._val(q.src).dtype
-        scale = None
-        if plan.scale_node is not None:
-            scale = plan.scale_node
-            if A._val(scale).dtype != dtype:
-                scale = A._emit(graph, aten._to_copy.default, [scale], {"dtype": dtype})
-            if plan.scale_factor != 1.0:
-                scale = A._emit(graph, aten.mul.Tensor, [scale, plan.scale_factor])
-        elif plan.scale is not None:
-            scale = A._emit(graph, aten.scalar_tensor.default, [plan.scale],
-                            {"dtype": dtype, "device": A._val(q.src).device})
+        scale = A.emit_scale(graph, plan, dtype, A._val(q.src).device)
         _, w, c, _ = plan.params
         y = A._emit(graph, torch.ops.hstu.delta_attention.default,
                     [q3, k3, v3, plan.offsets, plan.N, plan.alpha, plan.num_targets, scale, w, c])
-        heads = [int(m[0]) for m in plan.head_modes]
-        es = [int(m[0]) for m in plan.e_modes]
-        ykeys = [A._key(m) for m in list(plan.head_modes) + list(plan.e_modes)]
-        perm = [ykeys.index(A._key(m)) + 1 for m in plan.out_rest]
-        x = A._reshape(graph, y, [*heads, *es])
-        if perm != sorted(perm):
-            x = A._emit(graph, aten.permute.default, [x, [0, *perm]])
-        out_val = A._val(plan.out)
-        x = A._reshape(graph, x, [int(s) for s in out_val.shape[1:]])
-        if out_val.dtype != dtype:
-            x = A._emit(graph, aten._to_copy.default, [x], {"dtype": out_val.dtype})
-    plan.out.replace_all_uses_with(x)
+        A.replace_output(graph, plan, y, dtype)
 
 
 def describe_delta(plan) -> str:
     _, w, c, _ = plan.params
     parts = [f"N={plan.N}", f"D={plan.Dd}" if plan.Dd.is_Integer else "D=R//B (dynamic)", f"alpha={plan.alpha:g}",
              f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
-    if plan.scale_node is not None:
-        parts.append(f"attn_scale={plan.scale_node.name}" + (f"*{plan.scale_factor:g}" if plan.scale_factor != 1 else ""))
-    elif plan.scale is not None:
-        parts.append(f"scale={plan.scale:g}")
-    else:
-        parts.append("scale=1/N")
+    parts.append(A.describe_scale(plan))
     if plan.num_targets is not None:
         parts.append(f"num_targets={plan.num_targets.name}")
     if w:

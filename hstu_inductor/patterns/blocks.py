@@ -772,17 +772,8 @@ def _preprocess_candidates(graph: Graph) -> list:
 def rewrite_preprocess(gm: GraphModule, report: RewriteReport) -> None:
     """LayerNorm -> projection -> split(u, v, q, k) -> silu(u)  =>  hstu.stu_preprocess."""
     gm.graph.eliminate_dead_code()
-    changed = False
-    for n in _preprocess_candidates(gm.graph):
-        if n.graph is not gm.graph or not n.users:
-            continue
-        try:
-            changed |= _rewrite_preprocess_at(gm, n, report)
-        except Decline as e:
-            report.near_misses.append(("preprocess", str(e)))
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
+    _rewrite_each(gm, report, "preprocess", _preprocess_candidates(gm.graph), _rewrite_preprocess_at,
+                  lambda n: bool(n.users))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -962,14 +953,20 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
 def rewrite_output(gm: GraphModule, report: RewriteReport) -> None:
     """x + projection(u * Norm(attn) [concat u, attn]) (optional eval dropout) => hstu.stu_output."""
     gm.graph.eliminate_dead_code()
+    _rewrite_each(gm, report, "output", list(gm.graph.nodes), _rewrite_output_at,
+                  lambda n: _is(n, aten.add.Tensor))
+
+
+def _rewrite_each(gm, report, kind, candidates, rewrite_at, wanted) -> None:
+    """Try ``rewrite_at`` on every candidate still in the graph; a Decline becomes a near miss."""
     changed = False
-    for n in list(gm.graph.nodes):
-        if n.graph is not gm.graph or not _is(n, aten.add.Tensor):
+    for n in candidates:
+        if n.graph is not gm.graph or not wanted(n):
             continue
         try:
-            changed |= _rewrite_output_at(gm, n, report)
+            changed |= rewrite_at(gm, n, report)
         except Decline as e:
-            report.near_misses.append(("output", str(e)))
+            report.near_misses.append((kind, str(e)))
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
