@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options", "known_true"]
+__all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options", "known_true", "plain_eager"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -52,3 +52,14 @@ def known_true(cond) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(cond) if isinstance(cond, bool) else statically_known_true(cond)
+
+
+def plain_eager(*tensors) -> bool:
+    """True when a kernel launch is a plain eager call: not compiling, no tracing/dispatch mode active
+    and only ordinary tensors. ``wrap_triton`` is then pure overhead (a higher-order-op dispatch
+    and side-table registration per launch) and the kernel can be launched directly."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    return all(type(t) is torch.Tensor for t in tensors if isinstance(t, torch.Tensor))

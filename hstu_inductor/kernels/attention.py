@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from typing import Optional
 
@@ -38,6 +39,10 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
+
+from .._compat import plain_eager
+
+log = logging.getLogger("hstu_inductor")
 
 __all__ = [
     "hstu_attention_fwd",
@@ -316,6 +321,9 @@ def _hstu_fwd_kernel(
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_IN_REGS: tl.constexpr = False,
 ):
+    # Inductor passes Python float arguments of user kernels as fp64 (a direct launch passes fp32):
+    # cast once so the score math and the fp32-only inline-asm silu see fp32 on both paths.
+    alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
@@ -494,6 +502,7 @@ def _hstu_bwd_dkdv_kernel(
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    alpha, scale_const = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32)  # fp64 under Inductor
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
@@ -663,6 +672,8 @@ def _hstu_bwd_dq_kernel(
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     Q_IN_REGS: tl.constexpr = False,
 ):
+    # fp64 under Inductor: see the forward kernel
+    alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
@@ -748,7 +759,7 @@ def _dq_finalize_kernel(DQA, DQo, ATTN_SCALE, numel, factor, SCALE_MODE: tl.cons
     """dq = dq_acc * factor (* attn_scale when it is a 0-d tensor), cast to the output dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    x = tl.load(DQA + offs, mask=mask, other=0.0) * factor
+    x = tl.load(DQA + offs, mask=mask, other=0.0) * tl.cast(factor, tl.float32)  # fp64 under Inductor
     if SCALE_MODE == 1:
         x = x * tl.load(ATTN_SCALE).to(tl.float32)
     tl.store(DQo + offs, x.to(DQo.dtype.element_ty), mask=mask)
@@ -829,6 +840,12 @@ def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool):
 _TUNERS: dict = {}  # for benchmark reports: name -> triton Autotuner
 
 
+def _launcher(kern, args):
+    """``kern`` itself for a plain eager call; otherwise ``wrap_triton(kern)``, so that inside the hstu
+    triton_ops torch.compile/AOTInductor record the launch as a user-defined Triton kernel."""
+    return kern if plain_eager(*args) else wrap_triton(kern)
+
+
 def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, kwargs: dict,
             atomic_dq: bool = False, fp32: bool = False):
     """Launch kernel ``kind`` over (grid_x, cdiv(grid_rows, BLOCK_{M|N}))."""
@@ -843,9 +860,10 @@ def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, k
         return
     size = "fp32" if fp32 else ("small" if block_d <= 128 else "large")
     kern = _tuned(kind, size, _autotune_enabled(), atomic_dq)
-    # wrap_triton: inside the hstu triton_ops, torch.compile/AOTInductor record this launch as a
-    # user-defined Triton kernel of the generated code; in eager it is a plain launch.
-    wrap_triton(kern)[lambda meta: (grid_x, triton.cdiv(grid_rows, meta[row_block]))](*args, **kwargs)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("hstu %s launch: configs=%s, constexprs=%s, int args=%s", kind, size,
+                  {k: v for k, v in kwargs.items()}, [a for a in args if isinstance(a, (int, float))])
+    _launcher(kern, args)[lambda meta: (grid_x, triton.cdiv(grid_rows, meta[row_block]))](*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1128,7 +1146,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
             dq = dq_acc if q.dtype == torch.float32 else _new((L, H, Dq), q.dtype, q.device)
             numel = dq_acc.numel()
             block = 4096 if not _interpret() else 1024
-            wrap_triton(_dq_finalize_kernel)[(triton.cdiv(numel, block),)](
-                dq_acc, dq, scale_t, numel, float(alpha) * (scale_const if scale_mode == 0 else 1.0),
-                SCALE_MODE=1 if scale_mode == 1 else 0, BLOCK=block)
+            fin_args = (dq_acc, dq, scale_t, numel, float(alpha) * (scale_const if scale_mode == 0 else 1.0))
+            _launcher(_dq_finalize_kernel, fin_args)[(triton.cdiv(numel, block),)](
+                *fin_args, SCALE_MODE=1 if scale_mode == 1 else 0, BLOCK=block)
     return dq, dk, dv

@@ -10,6 +10,7 @@ import zlib
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from hstu_inductor.kernels import attention as K
 from hstu_inductor.reference import delta_hstu_mha, hstu_mha
@@ -432,3 +433,51 @@ def test_gpu_dq_accumulation_modes(mode, monkeypatch):
     got = K.hstu_attention_bwd(dout, q, k, v, off, N, 1.0 / D, tma=True if mode == "2" else None, **kw)
     for name, x, r in zip("qkv", got, grads):
         assert rel_err(x, r) < 2e-2, f"d{name}"
+
+
+def _gpu_configs(kind):
+    return sorted({c for (k, size), cfgs in K._GPU_CONFIGS.items() if k == kind and size != "fp32" for c in cfgs},
+                  key=repr)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _gpu_configs("fwd"), ids=repr)
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+def test_gpu_every_fwd_config(cfg, tma, poison):
+    """The autotuner may pick any listed config: each one must be right at a real shape, not only the
+    one a small test happens to select."""
+    if tma and not K.tma_supported(torch.device("cuda")):
+        pytest.skip("no TMA on this GPU")
+    D = 128 if cfg in K._GPU_CONFIGS[("fwd", "small")] else 256
+    B, N, H = 6, 1024, 2
+    q, k, v, off, nt = _gpu_batch(B, N, H, D, torch.bfloat16, seed=11)
+    with K.force_configs(fwd=cfg):
+        out = K.hstu_attention_fwd(q, k, v, off, N, 1.0 / D, num_targets=nt, tma=tma)
+    ref, _ = ref_fwd_bwd(q, k, v, off, N, 1.0 / D, num_targets=nt)
+    assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dkdv", "dq"])
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+def test_gpu_every_bwd_config(kind, tma, poison, monkeypatch):
+    if tma and not K.tma_supported(torch.device("cuda")):
+        pytest.skip("no TMA on this GPU")
+    if kind == "dq":
+        monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", "split")
+    B, N, H = 4, 1024, 2
+    ran = 0
+    for cfg in _gpu_configs(kind):
+        D = 128 if cfg in K._GPU_CONFIGS[(kind, "small")] else 256
+        q, k, v, off, nt = _gpu_batch(B, N, H, D, torch.bfloat16, seed=12)
+        dout = torch.randn_like(v)
+        _, grads = ref_fwd_bwd(q, k, v, off, N, 1.0 / D, dout=dout, num_targets=nt)
+        try:
+            with K.force_configs(**{kind: cfg}):
+                got = K.hstu_attention_bwd(dout, q, k, v, off, N, 1.0 / D, num_targets=nt, tma=tma)
+        except OutOfResources:  # the autotuner drops configs this GPU cannot hold, so may we
+            continue
+        ran += 1
+        for name, x, r in zip("qkv", got, grads):
+            assert rel_err(x, r) < 2e-2, f"d{name} {kind} {cfg}"
+    assert ran > 0
