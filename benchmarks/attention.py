@@ -68,6 +68,9 @@ def build_provider(name, N, alpha, num_targets):
     if name in ("eager", "inductor", "hstu_backend"):
         # the timed backward re-runs one graph (retain_graph=True); donated buffers forbid that
         torch._functorch.config.donated_buffer = False
+        # Fresh compile caches per N: otherwise the recompile for a new N makes Dynamo treat the
+        # captured max length as a SymInt, and a symbolic N is not proven (a model has one N).
+        torch._dynamo.reset()
         if name == "eager":
             fn = ref
         elif name == "inductor":
@@ -95,7 +98,8 @@ def build_provider(name, N, alpha, num_targets):
                     out = compiled(q, k, v, off, num_targets)
                 # a backend that silently fell back to stock Inductor would be timed as "ours"
                 if report.counts.get("attention", 0) != 1:
-                    raise RuntimeError(f"backend=hstu did not rewrite the attention: {report}")
+                    print(report, flush=True)
+                    raise RuntimeError("backend=hstu did not rewrite the attention (report above)")
                 return out
 
         def fwd(q, k, v, off):
