@@ -38,9 +38,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from .._compat import plain_eager
+from .common import interpret as _interpret
+from .common import launcher as _launcher
+from .common import new_tensor
 
 log = logging.getLogger("hstu_inductor")
 
@@ -50,13 +51,6 @@ __all__ = [
     "delta_hstu_attention_fwd",
     "tma_supported",
 ]
-
-
-def _interpret() -> bool:
-    try:
-        return bool(triton.knobs.runtime.interpret)
-    except Exception:  # pragma: no cover - older triton
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # --------------------------------------------------------------------------------------------
@@ -840,12 +834,6 @@ def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool):
 _TUNERS: dict = {}  # for benchmark reports: name -> triton Autotuner
 
 
-def _launcher(kern, args):
-    """``kern`` itself for a plain eager call; otherwise ``wrap_triton(kern)``, so that inside the hstu
-    triton_ops torch.compile/AOTInductor record the launch as a user-defined Triton kernel."""
-    return kern if plain_eager(*args) else wrap_triton(kern)
-
-
 def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, kwargs: dict,
             atomic_dq: bool = False, fp32: bool = False):
     """Launch kernel ``kind`` over (grid_x, cdiv(grid_rows, BLOCK_{M|N}))."""
@@ -942,14 +930,7 @@ def _device_ctx(device):
     return contextlib.nullcontext()
 
 
-# Test hook: fill freshly allocated outputs with NaN so unwritten elements show up.
-POISON_OUTPUTS = False
-
-
-def _new(shape, dtype, device):
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
+_new = new_tensor
 
 
 def _block_d(d: int) -> int:

@@ -19,6 +19,23 @@ def _load():
     return kernels
 
 
+@functools.cache
+def _load_stu():
+    try:
+        from ..kernels import stu_blocks
+    except Exception as e:  # same fallback as the attention kernels
+        log.warning("hstu_inductor: STU Triton kernels unavailable (%s); CUDA ops run the ATen bodies", e)
+        return None
+    return stu_blocks
+
+
+def stu_kernels():
+    """The fused STU block kernels module (:mod:`hstu_inductor.kernels.stu_blocks`), or None."""
+    if config.kernels == "off":
+        return None
+    return _load_stu()
+
+
 def cuda_kernels():
     """The kernels module, or None when disabled (``config.kernels == "off"``) or unavailable."""
     if config.kernels == "off":

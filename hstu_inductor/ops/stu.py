@@ -2,9 +2,14 @@
 
 Both are ``torch.library.triton_op`` s: torch.compile/AOTInductor trace into their bodies (so an
 exported package needs no Python for them), while ``torch.export`` keeps them as single nodes.
-Bodies use ATen ops only for now (the fused Triton versions slot in behind the same schemas).
-The backward ops are closed-form and *recompute* the normalisation and the projection output
-from the saved inputs instead of saving ``[L, 2H(Dq+Dv)]`` activations.
+CUDA inputs (fp16/bf16/fp32, kernels enabled) run the fused Triton kernels of
+:mod:`hstu_inductor.kernels.stu_blocks` (launched through ``wrap_triton``); everything else runs
+the ATen bodies below, which are the semantic reference. The backward ops are closed-form and
+*recompute* the normalisation and the projection output from the saved inputs instead of saving
+``[L, 2H(Dq+Dv)]`` activations.
+
+Dropout in the output block is a pure function of ``(seed, flat index)``
+(:mod:`hstu_inductor.reference.dropout`); the CPU body and the Triton kernels produce the same mask.
 """
 from __future__ import annotations
 
@@ -15,11 +20,39 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import triton_op
 
+from ..reference.dropout import dropout_keep_mask
 from ..reference.jagged import require
+from ._kernels import stu_kernels
 
 __all__ = ["stu_preprocess", "stu_output", "stu_preprocess_bwd", "stu_output_bwd"]
 
 aten = torch.ops.aten
+
+
+# Test hook: run the Triton path for CPU tensors too (under TRITON_INTERPRET=1), so the op wiring
+# (host code, autograd) is exercised without a GPU.
+_KERNELS_ON_CPU = False
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _kernels_for(*tensors: Optional[Tensor], norm_params=(), channels: int = 0, groups: int = 0):
+    """The STU kernels module when every given tensor is on CUDA and shares an fp16/bf16/fp32 dtype
+    (``norm_params``, read in fp32 by the kernels, may be any of those dtypes), else None."""
+    t0 = tensors[0]
+    if not (t0.device.type == "cuda" or _KERNELS_ON_CPU):
+        return None
+    if t0.dtype not in _KERNEL_DTYPES:
+        return None
+    if any(t is not None and (t.device != t0.device or t.dtype != t0.dtype) for t in tensors):
+        return None
+    if any(t is not None and (t.device != t0.device or t.dtype not in _KERNEL_DTYPES) for t in norm_params):
+        return None
+    kern = stu_kernels()
+    if kern is None or not kern.supported_channels(channels, groups):
+        return None
+    return kern
 
 
 def _stats_dtype(x: Tensor) -> torch.dtype:
@@ -83,6 +116,9 @@ def stu_preprocess(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Ten
     LayerNorm statistics are computed in fp32 and the normalised x is cast back to ``x.dtype``.
     """
     _check_preprocess(x, weight, u_dim, qk_dim)
+    kern = _kernels_for(x, weight, bias, norm_params=(ln_weight, ln_bias), channels=x.shape[1])
+    if kern is not None:
+        return kern.stu_preprocess_fwd(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all)
     _, uvqk, _, _ = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
     if silu_all:
         uvqk = F.silu(uvqk)
@@ -97,6 +133,11 @@ def stu_preprocess_bwd(du: Tensor, dv: Tensor, dq: Tensor, dk: Tensor, x: Tensor
                        ln_bias: Optional[Tensor], eps: float, weight: Tensor, bias: Optional[Tensor], u_dim: int,
                        qk_dim: int, silu_all: bool) -> list[Tensor]:
     """Gradients for ``x, ln_weight, ln_bias, weight, bias`` (only for the tensors that are not None)."""
+    kern = _kernels_for(x, du, dv, dq, dk, weight, bias, norm_params=(ln_weight, ln_bias), channels=x.shape[1])
+    if kern is not None:
+        grads = kern.stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim,
+                                        silu_all)
+        return [g.contiguous() for g in grads]
     normed, uvqk, mean, rstd = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
     grad = torch.cat([du, dv, dq, dk], dim=-1)
     if silu_all:
@@ -113,7 +154,11 @@ def stu_preprocess_bwd(du: Tensor, dv: Tensor, dq: Tensor, dk: Tensor, x: Tensor
 # ----------------------------------------------------------------------------------------------
 # output: x + F.linear(u * Norm(attn) [or cat(u, attn, u * Norm(attn))], weight, bias)
 # ----------------------------------------------------------------------------------------------
-def _check_output(attn, u, x, weight, concat_ua):
+def _check_output(attn, u, x, weight, concat_ua, dropout_p=0.0, seed=None):
+    require(0.0 <= dropout_p < 1.0, lambda: f"dropout_p must be in [0, 1), got {dropout_p}")
+    require(dropout_p == 0.0 or seed is not None, lambda: "dropout_p > 0 needs a seed tensor")
+    require(seed is None or (seed.numel() == 1 and seed.dtype == torch.int64),
+            lambda: "seed must be a one-element int64 tensor")
     require(attn.dim() == 2 and attn.shape == u.shape,
             lambda: f"attn {tuple(attn.shape)} and u {tuple(u.shape)} must both be [L, H*Dv]")
     require(x.dim() == 2 and x.shape[0] == attn.shape[0], lambda: "x must be [L, E] with the rows of attn")
@@ -122,31 +167,61 @@ def _check_output(attn, u, x, weight, concat_ua):
             lambda: f"weight must be [E, {cols}], got {tuple(weight.shape)}")
 
 
-def _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua):
+def _dropout_scale(y: Tensor, dropout_p: float, seed: Optional[Tensor]) -> Optional[Tensor]:
+    """``keep / (1 - p)`` over the projection input ``y`` (row-major flat index), or None without dropout."""
+    if dropout_p == 0.0:
+        return None
+    keep = dropout_keep_mask(seed.reshape(()), y.shape, dropout_p, device=y.device)
+    return keep.to(y.dtype) * (1.0 / (1.0 - dropout_p))
+
+
+def _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua, dropout_p=0.0, seed=None):
+    """The projection input, the normalised attn, its statistics and the dropout scale (or None)."""
     normed32, mean, rstd = _norm_fwd(attn, norm_weight, norm_bias, eps, norm_groups)
     normed = normed32.to(attn.dtype)
     y = u * normed
-    return (torch.cat([u, attn, y], dim=-1) if concat_ua else y), normed, mean, rstd
+    if concat_ua:
+        y = torch.cat([u, attn, y], dim=-1)
+    drop = _dropout_scale(y, dropout_p, seed)
+    return (y * drop if drop is not None else y), normed, mean, rstd, drop
 
 
 @triton_op("hstu::stu_output", mutates_args=())
 def stu_output(attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
-               eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor], concat_ua: bool) -> Tensor:
-    """``x + F.linear(u * Norm(attn) [cat u, attn before], weight, bias)``; ``norm_groups=0`` is layer norm."""
-    _check_output(attn, u, x, weight, concat_ua)
-    y, _, _, _ = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua)
+               eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor], concat_ua: bool,
+               dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> Tensor:
+    """``x + F.linear(drop(u * Norm(attn) [cat u, attn before]), weight, bias)``; ``norm_groups=0`` is
+    layer norm. Dropout (``dropout_p > 0``, training) applies to the whole projection input with the
+    counter-based mask of ``seed`` (one-element int64 tensor), scaled by ``1 / (1 - dropout_p)``."""
+    _check_output(attn, u, x, weight, concat_ua, dropout_p, seed)
+    kern = _kernels_for(attn, u, x, weight, bias, norm_params=(norm_weight, norm_bias), channels=attn.shape[1],
+                        groups=norm_groups)
+    if kern is not None:
+        return kern.stu_output_fwd(attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua,
+                                   dropout_p, seed)
+    y, _, _, _, _ = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua, dropout_p, seed)
     return x + F.linear(y, weight, bias)
 
 
 @triton_op("hstu::stu_output_bwd", mutates_args=())
 def stu_output_bwd(grad: Tensor, attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor],
                    norm_bias: Optional[Tensor], eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor],
-                   concat_ua: bool) -> list[Tensor]:
-    """Gradients for ``attn, u, x, norm_weight, norm_bias, weight, bias`` (those not None)."""
-    y, normed, mean, rstd = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua)
+                   concat_ua: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> list[Tensor]:
+    """Gradients for ``attn, u, x, norm_weight, norm_bias, weight, bias`` (those not None). The
+    dropout mask is regenerated from ``seed``."""
+    kern = _kernels_for(attn, grad, u, x, weight, bias, norm_params=(norm_weight, norm_bias),
+                        channels=attn.shape[1], groups=norm_groups)
+    if kern is not None:
+        grads = kern.stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias,
+                                    concat_ua, dropout_p, seed)
+        return [g.contiguous() for g in grads]
+    y, normed, mean, rstd, drop = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua,
+                                            dropout_p, seed)
     d_y = grad.mm(weight)
     d_w = grad.t().mm(y)
     d_b = grad.sum(0) if bias is not None else None
+    if drop is not None:
+        d_y = d_y * drop
     if concat_ua:
         d_u, d_attn_direct, d_y = torch.split(d_y, attn.shape[1], dim=-1)
     d_normed = (d_y * u).to(_stats_dtype(attn))
@@ -187,18 +262,18 @@ stu_preprocess.register_autograd(_pre_backward, setup_context=_pre_setup)
 
 
 def _out_setup(ctx, inputs, output):
-    attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua = inputs
-    ctx.save_for_backward(attn, u, x, norm_weight, norm_bias, weight, bias)
-    ctx.args = (eps, norm_groups, concat_ua)
+    attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua, dropout_p, seed = inputs
+    ctx.save_for_backward(attn, u, x, norm_weight, norm_bias, weight, bias, seed)
+    ctx.args = (eps, norm_groups, concat_ua, dropout_p)
 
 
 def _out_backward(ctx, grad):
-    attn, u, x, norm_weight, norm_bias, weight, bias = ctx.saved_tensors
-    eps, norm_groups, concat_ua = ctx.args
+    attn, u, x, norm_weight, norm_bias, weight, bias, seed = ctx.saved_tensors
+    eps, norm_groups, concat_ua, dropout_p = ctx.args
     grads = torch.ops.hstu.stu_output_bwd(grad.contiguous(), attn, u, x, norm_weight, norm_bias, eps, norm_groups,
-                                          weight, bias, concat_ua)
+                                          weight, bias, concat_ua, dropout_p, seed)
     ga, gu, gx, gnw, gnb, gw, gb = _expand(grads, (attn, u, x, norm_weight, norm_bias, weight, bias))
-    return ga, gu, gx, gnw, gnb, None, None, gw, gb, None
+    return ga, gu, gx, gnw, gnb, None, None, gw, gb, None, None, None
 
 
 stu_output.register_autograd(_out_backward, setup_context=_out_setup)

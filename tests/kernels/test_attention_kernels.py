@@ -13,6 +13,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from hstu_inductor.kernels import attention as K
+from hstu_inductor.kernels import common
 from hstu_inductor.reference import delta_hstu_mha, hstu_mha
 
 HAS_CUDA = torch.cuda.is_available()
@@ -127,7 +128,7 @@ def _run_bwd_case(feature, dtype, tma, deterministic, lengths=LENGTHS, N=N_MAX, 
 
 @pytest.fixture
 def poison(monkeypatch):
-    monkeypatch.setattr(K, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(common, "POISON_OUTPUTS", True)
 
 
 # ------------------------------------------------------------------------------------------

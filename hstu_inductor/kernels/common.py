@@ -1,0 +1,41 @@
+"""Helpers every kernel module shares: interpreter detection, how a kernel is launched, output
+allocation (with the NaN-poisoning test hook)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from torch.library import wrap_triton
+
+from .._compat import plain_eager
+
+__all__ = ["interpret", "launcher", "launch", "new_tensor"]
+
+# Test hook: fill freshly allocated kernel outputs with NaN so unwritten elements show up.
+POISON_OUTPUTS = False
+
+
+def interpret() -> bool:
+    """True under the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except Exception:  # pragma: no cover - older triton
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launcher(kernel, args):
+    """``kernel`` itself for a plain eager call or under the interpreter (where wrap_triton is
+    unsupported on 2.11); otherwise ``wrap_triton(kernel)``, so that inside the hstu triton_ops
+    torch.compile / AOTInductor record the launch as a user-defined Triton kernel."""
+    return kernel if interpret() or plain_eager(*args) else wrap_triton(kernel)
+
+
+def launch(kernel, grid, *args, **kwargs):
+    launcher(kernel, args)[grid](*args, **kwargs)
+
+
+def new_tensor(shape, dtype, device):
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)

@@ -1,0 +1,351 @@
+"""Fused Triton kernels for the dense STU blocks around attention (HSTU_SEMANTICS.md, "STU layer").
+
+preprocess  ``u, v, q, k = split(LayerNorm(x) @ W^T + b); u = silu(u)``
+    forward : LayerNorm kernel -> ``addmm`` (cuBLAS) -> one split kernel that applies silu and
+              writes the four contiguous outputs in one pass over the projection.
+    backward: LayerNorm recomputed (kernel) and the projection's pre-activations recomputed by a
+              matmul (only the u columns unless ``silu_all``) -> one kernel building the
+              concatenated ``d_uvqk`` with the silu backward -> ``dW``, ``db``, ``d_normed`` by
+              cuBLAS -> LayerNorm backward kernel.
+output      ``out = x + drop([u, attn,] u * Norm(attn)) @ W^T + b``  (Norm: layer or per-head group)
+    forward : one kernel normalises attn (fp32 stats), multiplies by u, applies dropout and
+              writes the projection input (for ``concat_ua`` the ``[L, 3C]`` buffer ``[u, attn, y]``
+              directly, no cat) -> ``addmm`` with the residual as the matmul's C input, bias added once.
+    backward: the forward kernel recomputes the projection input (needed for ``dW``) and the
+              statistics -> ``d_y = grad @ W``, ``dW = grad^T @ y``, ``db`` by cuBLAS/ATen -> one
+              kernel producing ``d_attn``, ``d_u`` and norm dweight/dbias partials.
+Dropout masks are regenerated from ``(seed, flat index)`` (:mod:`.rng`); nothing is saved.
+
+All tensors are ``[rows, channels]`` with a contiguous last dim (host wrappers make them so).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference.dropout import keep_threshold
+from .common import interpret, launch, new_tensor
+from .norms import (norm_bwd, norm_fwd, normalize, normalize_grad, num_partials, row_tile, supported_channels, tile,
+                    xhat_from_stats)
+from .rng import keep, seed_keys
+
+__all__ = ["supported_channels", "output_y", "output_y_bwd", "split_silu", "uvqk_grad", "stu_output_fwd", "stu_output_bwd",
+           "stu_preprocess_fwd", "stu_preprocess_bwd"]
+
+
+# --------------------------------------------------------------------------------------------
+# output block
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dropped(v, idx, k1, k2, thresh, scale, DROPOUT: tl.constexpr):
+    if DROPOUT:
+        v = tl.where(keep(idx, k1, k2, thresh), v * scale, 0.0)
+    return v
+
+
+@triton.jit
+def _out_fwd_kernel(A, U, Y, W, B, MEAN, RSTD, SEED, L, stride_a, stride_u, stride_y, G, D, eps, thresh, scale,
+                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, CONCAT: tl.constexpr, DROPOUT: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    eps, scale = tl.cast(eps, tl.float32), tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    rows, ch, cmask, mask, rows2, g2, mask2 = row_tile(tl.program_id(0) * BLOCK_R, L, G, D, BLOCK_R, BLOCK_G,
+                                                       BLOCK_D)
+    a = tl.load(A + rows * stride_a + ch, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * stride_u + ch, mask=mask, other=0.0).to(tl.float32)
+    normed, mean, rstd = normalize(a, mask, D, eps)
+    if HAS_W:
+        normed = normed * tl.load(W + ch, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_B:
+        normed = normed + tl.load(B + ch, mask=cmask, other=0.0).to(tl.float32)
+    y = u * normed
+    C = G * D
+    k1 = 0
+    k2 = 0
+    if DROPOUT:
+        k1, k2 = seed_keys(SEED)
+    # flat index in the [L, C or 3C] projection input: the mask is a function of (seed, index) only
+    if CONCAT:
+        base = rows * (3 * C) + ch
+        tl.store(Y + rows * stride_y + ch, _dropped(u, base, k1, k2, thresh, scale, DROPOUT)
+                 .to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + rows * stride_y + C + ch, _dropped(a, base + C, k1, k2, thresh, scale, DROPOUT)
+                 .to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + rows * stride_y + 2 * C + ch, _dropped(y, base + 2 * C, k1, k2, thresh, scale, DROPOUT)
+                 .to(Y.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Y + rows * stride_y + ch, _dropped(y, rows * C + ch, k1, k2, thresh, scale, DROPOUT)
+                 .to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows2 * G + g2, mean, mask=mask2)
+    tl.store(RSTD + rows2 * G + g2, rstd, mask=mask2)
+
+
+@triton.jit
+def _out_bwd_kernel(DYC, A, U, W, B, MEAN, RSTD, SEED, DA, DU, DW_PART, DB_PART, L, stride_dy, stride_a,
+                    stride_u, stride_da, stride_du, G, D, n_blocks, thresh, scale,
+                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+                    CONCAT: tl.constexpr, DROPOUT: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """d_attn, d_u from the gradient of the projection input ``DYC`` ([L, C] or [L, 3C])."""
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    C = G * D
+    acc_dw = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    acc_db = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    # distinct throwaway names: Triton types loop-carried names, '_' is reassigned below
+    r0_, ch0, cmask, m0_, r20_, g20_, m20_ = row_tile(0, 1, G, D, 1, BLOCK_G, BLOCK_D)
+    if HAS_W:
+        w = tl.load(W + ch0, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_B:
+        b = tl.load(B + ch0, mask=cmask, other=0.0).to(tl.float32)
+    k1 = 0
+    k2 = 0
+    if DROPOUT:
+        k1, k2 = seed_keys(SEED)
+    for blk in range(pid, n_blocks, n_prog):
+        rows, ch, cm_, mask, rows2, g2, mask2 = row_tile(blk * BLOCK_R, L, G, D, BLOCK_R, BLOCK_G, BLOCK_D)
+        a = tl.load(A + rows * stride_a + ch, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + rows * stride_u + ch, mask=mask, other=0.0).to(tl.float32)
+        xhat, rstd = xhat_from_stats(a, mask, MEAN, RSTD, rows2, g2, mask2, G)
+        normed = xhat
+        if HAS_W:
+            normed = normed * w
+        if HAS_B:
+            normed = normed + b
+        if CONCAT:
+            base = rows * (3 * C) + ch
+            dy_ptr = DYC + rows * stride_dy + ch
+            du = _dropped(tl.load(dy_ptr, mask=mask, other=0.0).to(tl.float32), base, k1, k2, thresh, scale,
+                          DROPOUT)
+            da = _dropped(tl.load(dy_ptr + C, mask=mask, other=0.0).to(tl.float32), base + C, k1, k2, thresh,
+                          scale, DROPOUT)
+            dy = _dropped(tl.load(dy_ptr + 2 * C, mask=mask, other=0.0).to(tl.float32), base + 2 * C, k1, k2,
+                          thresh, scale, DROPOUT)
+            du += dy * normed
+        else:
+            dy = _dropped(tl.load(DYC + rows * stride_dy + ch, mask=mask, other=0.0).to(tl.float32),
+                          rows * C + ch, k1, k2, thresh, scale, DROPOUT)
+            du = dy * normed
+        dn = dy * u
+        if NEED_DW:
+            acc_dw += tl.sum(dn * xhat, axis=0)
+        if NEED_DB:
+            acc_db += tl.sum(dn, axis=0)
+        dxhat = dn
+        if HAS_W:
+            dxhat = dn * w
+        d_attn = normalize_grad(dxhat, xhat, rstd, D)
+        if CONCAT:
+            d_attn += da
+        tl.store(DA + rows * stride_da + ch, d_attn.to(DA.dtype.element_ty), mask=mask)
+        tl.store(DU + rows * stride_du + ch, du.to(DU.dtype.element_ty), mask=mask)
+    if NEED_DW:
+        tl.store(DW_PART + pid * C + ch0, acc_dw[None, :, :], mask=cmask)
+    if NEED_DB:
+        tl.store(DB_PART + pid * C + ch0, acc_db[None, :, :], mask=cmask)
+
+
+def _rowmajor(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dropout_args(dropout_p: float, seed, device):
+    if dropout_p <= 0.0:
+        return False, None, 0, 1.0
+    if seed is None:
+        raise ValueError("dropout_p > 0 needs a seed tensor")
+    return True, seed.to(device=device, dtype=torch.int64).reshape(1), keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+
+
+def output_y(attn, u, norm_weight, norm_bias, eps: float, groups: int, concat_ua: bool, dropout_p: float = 0.0,
+             seed=None):
+    """The projection input ``drop(u * Norm(attn))`` (or ``drop([u, attn, u * Norm(attn)])``) in
+    attn's dtype, plus fp32 ``mean, rstd [L, G]``."""
+    attn, u = _rowmajor(attn), _rowmajor(u)
+    L, C = attn.shape
+    G = max(groups, 1)
+    drop, seed_t, thresh, scale = _dropout_args(dropout_p, seed, attn.device)
+    y = new_tensor((L, 3 * C if concat_ua else C), attn.dtype, attn.device)
+    mean = new_tensor((L, G), torch.float32, attn.device)
+    rstd = new_tensor((L, G), torch.float32, attn.device)
+    br, bg, bd, warps = tile(C, G, rows_target=2048)
+    launch(_out_fwd_kernel, (triton.cdiv(L, br),), attn, u, y, norm_weight, norm_bias, mean, rstd, seed_t, L,
+           attn.stride(0), u.stride(0), y.stride(0), G, C // G, eps, thresh, scale,
+           HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, CONCAT=concat_ua, DROPOUT=drop,
+           BLOCK_R=br, BLOCK_G=bg, BLOCK_D=bd, num_warps=warps)
+    return y, mean, rstd
+
+
+def output_y_bwd(d_y, attn, u, norm_weight, norm_bias, mean, rstd, groups: int, concat_ua: bool,
+                 dropout_p: float = 0.0, seed=None, need_dw: bool = True, need_db: bool = True):
+    """``(d_attn, d_u, d_norm_weight fp32 | None, d_norm_bias fp32 | None)`` from the gradient of the
+    projection input (shape of :func:`output_y`'s result)."""
+    d_y, attn, u = _rowmajor(d_y), _rowmajor(attn), _rowmajor(u)
+    L, C = attn.shape
+    G = max(groups, 1)
+    drop, seed_t, thresh, scale = _dropout_args(dropout_p, seed, attn.device)
+    need_dw = need_dw and norm_weight is not None
+    need_db = need_db and norm_bias is not None
+    d_attn = new_tensor((L, C), attn.dtype, attn.device)
+    d_u = new_tensor((L, C), u.dtype, u.device)
+    P = num_partials(attn.device)
+    dw_part = torch.empty((P, C), dtype=torch.float32, device=attn.device) if need_dw else None
+    db_part = torch.empty((P, C), dtype=torch.float32, device=attn.device) if need_db else None
+    br, bg, bd, warps = tile(C, G, rows_target=2048)
+    launch(_out_bwd_kernel, (P,), d_y, attn, u, norm_weight, norm_bias, mean, rstd, seed_t, d_attn, d_u, dw_part,
+           db_part, L, d_y.stride(0), attn.stride(0), u.stride(0), d_attn.stride(0), d_u.stride(0), G, C // G,
+           triton.cdiv(L, br), thresh, scale, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None,
+           NEED_DW=need_dw, NEED_DB=need_db, CONCAT=concat_ua, DROPOUT=drop, BLOCK_R=br, BLOCK_G=bg,
+           BLOCK_D=bd, num_warps=warps)
+    return d_attn, d_u, (dw_part.sum(0) if need_dw else None), (db_part.sum(0) if need_db else None)
+
+
+def stu_output_fwd(attn, u, x, norm_weight, norm_bias, eps, groups, weight, bias, concat_ua, dropout_p=0.0,
+                   seed=None):
+    """``x + drop(y) @ weight^T (+ bias)``; the residual is addmm's C input, the bias added once."""
+    y, _, _ = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed)
+    out = torch.addmm(x, y, weight.t())
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+def stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, groups, weight, bias, concat_ua, dropout_p=0.0,
+                   seed=None):
+    """Gradients ``[d_attn, d_u, d_x, d_norm_weight, d_norm_bias, d_weight, d_bias]`` (Nones dropped)."""
+    y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed)
+    d_y = grad.mm(weight)
+    d_w = grad.t().mm(y)
+    d_attn, d_u, d_nw, d_nb = output_y_bwd(d_y, attn, u, norm_weight, norm_bias, mean, rstd, groups, concat_ua,
+                                           dropout_p, seed)
+    grads = [d_attn, d_u, grad.clone(),
+             d_nw.to(norm_weight.dtype) if norm_weight is not None else None,
+             d_nb.to(norm_bias.dtype) if norm_bias is not None else None,
+             d_w, grad.sum(0) if bias is not None else None]
+    return [g for g in grads if g is not None]
+
+
+# --------------------------------------------------------------------------------------------
+# preprocess block
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _split_silu_kernel(P, U, V, Q, K, L, stride_p, UD, QD, SILU_ALL: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One tile of the projection ``[L, 2UD + 2QD]`` -> its slices of u (silu), v, q, k."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    rmask = rows < L
+    width = 2 * (UD + QD)
+    p = tl.load(P + rows * stride_p + cols, mask=rmask & (cols < width), other=0.0).to(tl.float32)
+    s = p * _sigmoid(p)
+    if not SILU_ALL:
+        s = tl.where(cols < UD, s, p)
+    # every column belongs to exactly one segment; offsets are clamped so masked lanes stay in range
+    e1, e2, e3 = UD, 2 * UD, 2 * UD + QD
+    tl.store(U + rows * UD + cols, s.to(U.dtype.element_ty), mask=rmask & (cols < e1))
+    tl.store(V + rows * UD + tl.maximum(cols - e1, 0), s.to(V.dtype.element_ty),
+             mask=rmask & (cols >= e1) & (cols < e2))
+    tl.store(Q + rows * QD + tl.maximum(cols - e2, 0), s.to(Q.dtype.element_ty),
+             mask=rmask & (cols >= e2) & (cols < e3))
+    tl.store(K + rows * QD + tl.maximum(cols - e3, 0), s.to(K.dtype.element_ty),
+             mask=rmask & (cols >= e3) & (cols < width))
+
+
+@triton.jit
+def _uvqk_grad_kernel(DU, DV, DQ, DK, PRE, DP, L, stride_du, stride_dv, stride_dq, stride_dk, stride_pre,
+                      stride_dp, UD, QD, SILU_ALL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``d_uvqk = cat(du, dv, dq, dk)`` with the silu backward (``PRE``: pre-activations, all of
+    ``[L, width]`` when SILU_ALL else only the u columns ``[L, UD]``)."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    rmask = rows < L
+    e1, e2, e3 = UD, 2 * UD, 2 * UD + QD
+    width = 2 * (UD + QD)
+    m_u = rmask & (cols < e1)
+    g = tl.load(DU + rows * stride_du + cols, mask=m_u, other=0.0).to(tl.float32)
+    g += tl.load(DV + rows * stride_dv + tl.maximum(cols - e1, 0), mask=rmask & (cols >= e1) & (cols < e2),
+                 other=0.0).to(tl.float32)
+    g += tl.load(DQ + rows * stride_dq + tl.maximum(cols - e2, 0), mask=rmask & (cols >= e2) & (cols < e3),
+                 other=0.0).to(tl.float32)
+    g += tl.load(DK + rows * stride_dk + tl.maximum(cols - e3, 0), mask=rmask & (cols >= e3) & (cols < width),
+                 other=0.0).to(tl.float32)
+    if SILU_ALL:
+        z = tl.load(PRE + rows * stride_pre + cols, mask=rmask & (cols < width), other=0.0).to(tl.float32)
+    else:
+        z = tl.load(PRE + rows * stride_pre + cols, mask=m_u, other=0.0).to(tl.float32)
+    sg = _sigmoid(z)
+    dg = g * (sg * (1.0 + z * (1.0 - sg)))
+    if not SILU_ALL:
+        dg = tl.where(cols < UD, dg, g)
+    tl.store(DP + rows * stride_dp + cols, dg.to(DP.dtype.element_ty), mask=rmask & (cols < width))
+
+
+def _ew_tile(width: int):
+    bc = min(triton.next_power_of_2(int(width)), 32 if interpret() else 256)
+    br = 4 if interpret() else max(1, 4096 // bc)
+    return br, bc
+
+
+def split_silu(uvqk, u_dim: int, qk_dim: int, silu_all: bool):
+    """``(silu(u), v, q, k)`` (silu on all four with ``silu_all``), each a new contiguous tensor."""
+    uvqk = _rowmajor(uvqk)
+    L = uvqk.shape[0]
+    u = new_tensor((L, u_dim), uvqk.dtype, uvqk.device)
+    v = new_tensor((L, u_dim), uvqk.dtype, uvqk.device)
+    q = new_tensor((L, qk_dim), uvqk.dtype, uvqk.device)
+    k = new_tensor((L, qk_dim), uvqk.dtype, uvqk.device)
+    br, bc = _ew_tile(uvqk.shape[1])
+    launch(_split_silu_kernel, (triton.cdiv(L, br), triton.cdiv(uvqk.shape[1], bc)), uvqk, u, v, q, k, L,
+           uvqk.stride(0), u_dim, qk_dim, SILU_ALL=silu_all, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
+    return u, v, q, k
+
+
+def uvqk_grad(du, dv, dq, dk, pre, silu_all: bool):
+    """The gradient of the projection output ``[L, 2(UD+QD)]`` (dtype of ``du``)."""
+    du, dv, dq, dk, pre = (_rowmajor(t) for t in (du, dv, dq, dk, pre))
+    L, UD = du.shape
+    QD = dq.shape[1]
+    width = 2 * (UD + QD)
+    dp = new_tensor((L, width), du.dtype, du.device)
+    br, bc = _ew_tile(width)
+    launch(_uvqk_grad_kernel, (triton.cdiv(L, br), triton.cdiv(width, bc)), du, dv, dq, dk, pre, dp, L,
+           du.stride(0), dv.stride(0), dq.stride(0), dk.stride(0), pre.stride(0), dp.stride(0), UD, QD,
+           SILU_ALL=silu_all, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
+    return dp
+
+
+def _linear(inp, weight, bias):
+    return torch.addmm(bias, inp, weight.t()) if bias is not None else inp.mm(weight.t())
+
+
+def stu_preprocess_fwd(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all=False):
+    normed, _, _ = norm_fwd(x, ln_weight, ln_bias, eps)
+    return split_silu(_linear(normed, weight, bias), u_dim, qk_dim, silu_all)
+
+
+def stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all):
+    """Gradients ``[d_x, d_ln_weight, d_ln_bias, d_weight, d_bias]`` (Nones dropped). Recomputes the
+    normalised x and the pre-activations the silu backward needs (only the u columns unless silu_all)."""
+    normed, mean, rstd = norm_fwd(x, ln_weight, ln_bias, eps)
+    if silu_all:
+        pre = _linear(normed, weight, bias)
+    else:
+        pre = _linear(normed, weight[:u_dim], bias[:u_dim] if bias is not None else None)
+    d_p = uvqk_grad(du, dv, dq, dk, pre, silu_all)
+    d_w = d_p.t().mm(normed)
+    d_b = d_p.sum(0) if bias is not None else None
+    d_normed = d_p.mm(weight)
+    dx, d_lw, d_lb = norm_bwd(d_normed, x, ln_weight, mean, rstd, 1, need_db=ln_bias is not None)
+    grads = [dx, d_lw.to(ln_weight.dtype) if ln_weight is not None else None,
+             d_lb.to(ln_bias.dtype) if ln_bias is not None else None, d_w, d_b]
+    return [g for g in grads if g is not None]
