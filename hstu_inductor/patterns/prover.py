@@ -215,6 +215,8 @@ def make_probes(N: int, B: Optional[int], L: Optional[int], count: int, seed: in
     for p in range(count):
         want = edge_sets[p % len(edge_sets)] if p < 2 * len(edge_sets) else []
         b = B if B is not None else [3, 2, 4, 3][p % 4]
+        if B is None and L is not None:  # static L, symbolic B: enough sequences to hold L rows
+            b = max(b, -(-L // max(N, 1)))
         if L is None:
             lengths = [rng.randint(0, N) for _ in range(b)]
             for slot, w in enumerate(want[:b]):
