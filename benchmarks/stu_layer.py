@@ -103,9 +103,10 @@ def run_layer(args, N, device, dtype, rows):
         try:
             t0 = time.time()
             model = compile_with(prov, layer)
-            for t in (x, off, nt):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
             xx = x.detach().requires_grad_()
+            # dynamic L and B, as a training loop sees them after its first recompile
+            for t in (x, xx, off, nt):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
             with collecting() as report:
                 out = model(xx, off, N, nt)
                 (dx,) = torch.autograd.grad(out, xx, dout)
@@ -132,6 +133,8 @@ def run_layer(args, N, device, dtype, rows):
 
             row["fwd_ms"] = bench(fwd, args.rep)
             row["fwdbwd_ms"] = bench(fwd_bwd, args.rep)
+            if args.profile and device == "cuda":
+                profile(fwd_bwd, f"layer N={N} {prov} fwd+bwd")
             if device == "cuda":
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
@@ -196,6 +199,18 @@ def run_model(args, N, device, dtype, rows):
         rows.append(row)
 
 
+def profile(fn, label, calls=5):
+    """Top CUDA kernels of ``calls`` calls of ``fn`` (torch.profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    print(f"== {label}: {calls} calls")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def plot(rows, path):
     try:
         import matplotlib
@@ -232,6 +247,7 @@ def main():
     ap.add_argument("--model-batch", type=int, default=32)
     ap.add_argument("--items", type=int, default=20000)
     ap.add_argument("--no-model", action="store_true", help="skip the HSTUModel training-step benchmark")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each layer fwd+bwd")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep time in ms")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))

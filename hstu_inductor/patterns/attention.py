@@ -238,6 +238,8 @@ def walk_forward(node):
 
 def _through_layout(ops, layout):
     for op in ops:
+        if feature_slice(op) is not None:  # only operand_layout models slices of a pad
+            raise Decline(f"{op.name} slices a padded tensor (not supported here)")
         if lay.is_layout_node(op):
             layout = lay.apply(op, layout)
     return layout
@@ -289,11 +291,15 @@ def _dimkey(dim):
 class Operand:
     node: torch.fx.Node   # the bmm operand
     D: torch.fx.Node      # dense tensor at the end of the pad
-    ops: list             # layout / scalar ops from D to node
+    ops: list             # layout / scalar / feature-slice ops from D to node
     factor: float
     src: torch.fx.Node    # jagged source [L, *F]
     prefix: str           # logical axis prefix for src's feature dims
     layout: tuple = None
+    # feature slices of the padded tensor (one padded uvqk split into q, k, v) are slices of the
+    # source: the operand reads ``src`` narrowed by these ``(feature dim, start, length)`` steps
+    narrows: list = dataclasses.field(default_factory=list)
+    feat: list = None     # feature sizes of the narrowed source
 
 
 @dataclasses.dataclass
@@ -318,6 +324,10 @@ class Plan:
     e_modes: list = None         # v-feature modes of the output
     out_rest: list = None        # modes of out's feature dims (flattened, in order)
     spelling: str = ""
+    lengths: bool = False        # ``offsets`` is per-sequence lengths [B] (offsets are its cumsum)
+    dense: bool = False          # no unpad: ``out`` is the dense [B, N, ...] / [B*N, ...] output
+    rest_shape: list = None      # feature sizes of the dense output
+    offsets_arg: Optional[torch.fx.Node] = None  # the offsets node passed to the op (rewrite)
 
 
 def _modes_of_axes(dim, prefix):
@@ -347,11 +357,98 @@ def _check_tiles(modes, sizes, axes, what):
             raise Decline(f"{what}: feature dim {axis} of size {size} is not covered exactly once")
 
 
-def _operand(node, prefix) -> Operand:
+def feature_slice(n):
+    """``(input, dim, start, stop, drops_dim)`` when ``n`` takes a static slice of one dimension
+    (``slice`` that is not the identity, ``select``, a ``split``/``split_with_sizes``/``unbind``
+    output), else None. Whether that dimension is a feature digit is for the layout algebra."""
+    if n.op != "call_function":
+        return None
+    t = n.target
+    if t is operator.getitem and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "call_function":
+        parent, i = n.args[0], n.args[1]
+        pt = parent.target
+        x = parent.args[0]
+        xv = _val(x)
+        if not isinstance(xv, torch.Tensor) or not isinstance(i, int):
+            return None
+        dim = (parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim", 0)) \
+            if pt is not aten.unbind.int else (parent.args[1] if len(parent.args) > 1 else 0)
+        dim = dim % xv.dim()
+        if not is_static(xv.shape[dim]):
+            return None
+        size = int(xv.shape[dim])
+        if pt is aten.split_with_sizes.default:
+            sizes = [int(z) for z in parent.args[1]]
+            return x, dim, sum(sizes[:i]), sum(sizes[:i + 1]), False
+        if pt is aten.split.Tensor:
+            step = int(parent.args[1])
+            return x, dim, i * step, min(size, (i + 1) * step), False
+        if pt is aten.unbind.int:
+            return x, dim, i, i + 1, True
+        return None
+    if t not in (aten.slice.Tensor, aten.select.int) or lay.is_layout_node(n):
+        return None
+    x = n.args[0]
+    xv = _val(x)
+    if not isinstance(xv, torch.Tensor):
+        return None
+    dim = (n.args[1] if len(n.args) > 1 else 0) % xv.dim()
+    if not is_static(xv.shape[dim]):
+        return None
+    size = int(xv.shape[dim])
+    if t is aten.select.int:
+        idx = n.args[2]
+        if not isinstance(idx, int):
+            return None
+        idx = idx % size
+        return x, dim, idx, idx + 1, True
+    start = n.args[2] if len(n.args) > 2 else None
+    end = n.args[3] if len(n.args) > 3 else None
+    step = n.args[4] if len(n.args) > 4 else 1
+    if step != 1 or not all(a is None or isinstance(a, int) for a in (start, end)):
+        return None
+    start, stop, _ = slice(start, end).indices(size)
+    return (x, dim, start, stop, False) if start < stop else None
+
+
+def walk_sliced(node):
+    """:func:`walk_operand`, continued through feature slices of a padded tensor (padded uvqk)."""
     D, ops, factor = walk_operand(node)
+    while (sl := feature_slice(D)) is not None:
+        D2, ops2, f2 = walk_operand(sl[0])
+        ops, factor, D = ops2 + [D] + ops, factor * f2, D2
+    return D, ops, factor
+
+
+def _operand(node, prefix) -> Operand:
+    D, ops, factor = walk_sliced(node)
     src = pad_source(D)
     _no_lost_grad(src)
     return Operand(node, D, ops, factor, src, prefix)
+
+
+def operand_layout(x: Operand, B, N, sizes, axes):
+    """Layout of ``x.node`` (sets ``x.layout``, ``x.narrows``, ``x.feat``): the pad ``D`` is
+    ``[B, N, *sizes]`` viewed as ``D.shape``; feature slices narrow the logical source."""
+    layout = lay.view(lay.source_layout([B, N, *sizes], ["b", "n", *axes]), _val(x.D).shape)
+    feat = list(sizes)
+    for op in x.ops:
+        sl = feature_slice(op)
+        if sl is not None:
+            _, dim, start, stop, drops = sl
+            axis = next((m[1] for m in lay.normalize_dim(layout[dim]) if m[1] is not None), None)
+            if axis not in axes:
+                raise Decline(f"{op.name} slices the padded {x.src.name} along rows, not features")
+            k = axes.index(axis)
+            layout, (_, first, length) = lay.narrow(layout, dim, start, stop, feat[k])
+            if drops:
+                layout = layout[:dim] + layout[dim + 1:]
+            x.narrows.append((k, first, length))
+            feat[k] = length
+        elif lay.is_layout_node(op):
+            layout = lay.apply(op, layout)
+    x.layout, x.feat = layout, feat
+    return layout
 
 
 def _may_require_grad(node) -> bool:
@@ -406,27 +503,65 @@ def _large_proof_ok(cost) -> bool:
     return cost * 8 * 2 < avail
 
 
-def analyse(S, pv) -> Plan:
-    """Structural part of the proof. Raises Decline."""
+def jagged_descriptor(q) -> torch.fx.Node:
+    """The single 1-D integer input of the q pad: ``offsets [B+1]`` or per-sequence ``lengths [B]``
+    (the model derives offsets itself; which one is decided by :func:`prove`)."""
+    order, leaves = closure([q.D], {q.src})
+    ints = [x for x in leaves if _is_int_tensor(x)]
+    if len(ints) != 1 or _val(ints[0]).dim() != 1:
+        raise Decline(f"pad of {q.src.name} does not depend on exactly one 1-D integer input (offsets or lengths)")
+    return ints[0]
+
+
+def looks_like_lengths(node) -> bool:
+    """Whether ``node`` is summed into offsets by the graph (cumsum, fbgemm's complete cumsum):
+    only decides which reading of the jagged input is tried (and reported) first."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            name = getattr(u.target, "__name__", str(u.target))
+            if u.target is aten.cumsum.default or "cumsum" in name:
+                return True
+            if lay.is_layout_node(u):
+                stack.append(u)
+    return False
+
+
+def batch_size(plan) -> sympy.Expr:
+    """``B`` from the jagged descriptor: ``len(lengths)`` or ``len(offsets) - 1``."""
+    n = sym_expr(_val(plan.offsets).shape[0])
+    return n if plan.lengths else n - 1
+
+
+def batch_hint(plan) -> int:
+    return _hint(_val(plan.offsets).shape[0]) - (0 if plan.lengths else 1)
+
+
+def descriptor_probe(plan, off, lens):
+    """The probe value of the jagged descriptor input (offsets or lengths, in its dtype)."""
+    return (lens if plan.lengths else off).to(_val(plan.offsets).dtype)
+
+
+def analyse(S, pv, lengths=False) -> Plan:
+    """Structural part of the proof. Raises Decline. ``lengths``: read the jagged integer input as
+    per-sequence lengths rather than offsets."""
     q = _operand(S.args[0], "q")
     k = _operand(S.args[1], "q")  # k's features must line up with q's: same axis names
     v = _operand(pv.args[1], "v")
     fq, axq = _feature_axes(q.src, "q")
     fk, _ = _feature_axes(k.src, "q")
     fv, axv = _feature_axes(v.src, "v")
-    if fq != fk:
-        raise Decline(f"q {fq} and k {fk} feature shapes differ")
     dt = {_val(x.src).dtype for x in (q, k, v)}
     if len(dt) != 1:
         raise Decline(f"q, k, v dtypes differ: {dt}")
 
-    # offsets: the single integer input of the q pad
-    order, leaves = closure([q.D], {q.src})
-    ints = [x for x in leaves if _is_int_tensor(x)]
-    if len(ints) != 1 or _val(ints[0]).dim() != 1:
-        raise Decline(f"pad of {q.src.name} does not depend on exactly one 1-D integer input (offsets)")
-    offsets = ints[0]
-    B = sym_expr(_val(offsets).shape[0]) - 1
+    offsets = jagged_descriptor(q)
+    plan = Plan(pv=pv, S=S, out=None, q=q, k=k, v=v, offsets=offsets, num_targets=None, N=0, lengths=lengths)
+    B = batch_size(plan)
     for x in (k, v):  # separate symbols are fine (the jagged contract makes them equal), hints must agree
         if _hint(_val(x.src).shape[0]) != _hint(_val(q.src).shape[0]):
             raise Decline("q, k, v have different numbers of jagged rows")
@@ -438,11 +573,13 @@ def analyse(S, pv) -> Plan:
     Nexpr = sympy.cancel(numel / (B * math.prod(fq)))
     if not Nexpr.is_Integer or int(Nexpr) <= 0:
         raise Decline(f"padded size of {q.src.name} is not B * N * features for a constant N ({Nexpr})")
-    N = int(Nexpr)
+    N = plan.N = int(Nexpr)
 
     for x, f, axes in ((q, fq, axq), (k, fk, axq), (v, fv, axv)):
-        base = lay.source_layout([B, N, *f], ["b", "n", *axes])
-        x.layout = _through_layout(x.ops, lay.view(base, _val(x.D).shape))
+        operand_layout(x, B, N, f, axes)
+    if q.feat != k.feat:
+        raise Decline(f"q {q.feat} and k {k.feat} feature shapes differ")
+    fq, fv = q.feat, v.feat
 
     A, K = q.layout, k.layout
     if len(A) != 3 or len(K) != 3:
@@ -468,7 +605,6 @@ def analyse(S, pv) -> Plan:
     _check_tiles(head_modes + c_modes, fq, axq, "score product")
 
     # PV product
-    plan = Plan(pv=pv, S=S, out=None, q=q, k=k, v=v, offsets=offsets, num_targets=None, N=N)
     Y = v.layout
     if len(Y) != 3 or _dimkey(Y[1]) != tuple(_key(m) for m in nmode):
         raise Decline("value product does not contract over key rows of the padded sequences")
@@ -551,10 +687,25 @@ _LARGE_PROBES = 4  # the first probes of make_probes already hold the edge lengt
 
 
 def prove(gm, S, pv) -> Plan:
+    """Prove the candidate reading its jagged integer input as offsets, then as lengths (or the
+    other way round when the graph sums it); the first full proof wins. Both readings are proven
+    from scratch, so trying two cannot make a wrong graph pass. The reason reported is the one of
+    the more plausible reading."""
     global _UNPAD_OPS
     if _UNPAD_OPS is None:
         _UNPAD_OPS = _unpad_ops()
-    plan = analyse(S, pv)
+    first = looks_like_lengths(jagged_descriptor(_operand(S.args[0], "q")))
+    reason = None
+    for lengths in (first, not first):
+        try:
+            return _prove(gm, S, pv, lengths)
+        except (Decline, lay.LayoutError) as e:
+            reason = reason or e
+    raise reason
+
+
+def _prove(gm, S, pv, lengths) -> Plan:
+    plan = analyse(S, pv, lengths)
     N, B = plan.N, plan._B
     q, k, v = plan.q, plan.k, plan.v
 
@@ -584,8 +735,8 @@ def prove(gm, S, pv) -> Plan:
         else:
             pair[_key(mx)] = mv
     plan.v_head_modes = [pair[_key(m)] for m in plan.head_modes]
-    fv, axv = _feature_axes(v.src, "v")
-    _check_tiles(plan.v_head_modes + plan.e_modes, fv, axv, "value product")
+    _, axv = _feature_axes(v.src, "v")
+    _check_tiles(plan.v_head_modes + plan.e_modes, v.feat, axv, "value product")
 
     # side inputs of the score subgraph
     nt, scale_leaf = None, None
@@ -596,7 +747,7 @@ def prove(gm, S, pv) -> Plan:
         if isinstance(val, torch.SymInt) or leaf.op == "get_attr":
             continue
         if isinstance(val, torch.Tensor) and not val.is_floating_point():
-            if val.dim() == 1 and _hint(val.shape[0]) == _hint(_val(plan.offsets).shape[0]) - 1 and nt is None \
+            if val.dim() == 1 and _hint(val.shape[0]) == batch_hint(plan) and nt is None \
                     and leaf.op == "placeholder":
                 nt = leaf
                 continue
@@ -609,15 +760,16 @@ def prove(gm, S, pv) -> Plan:
         raise Decline(f"scores depend on tensor {leaf.name} of shape {tuple(getattr(val, 'shape', ()))} "
                       f"(data we do not model)")
     plan.num_targets = nt
+    chain_scale = scale_leaf is not None
 
-    # ---- output side: O -> dense -> unpad
-    Odense, o_ops, fo = walk_forward(pv)
-    if len(Odense.users) != 1:
-        raise Decline(f"attention output {Odense.name} has {len(Odense.users)} users before the unpad")
-    U = next(iter(Odense.users))
-    if U.op != "call_function" or U.target not in _UNPAD_OPS:
-        raise Decline(f"attention output is consumed by {_name(U)}, not by a recognised unpad")
-    out = U
+    # ---- output side: O -> dense (-> row scales) -> unpad (-> row scales)
+    Odense, o_ops, fo, pre = output_chain(pv, plan)
+    scale_leaf = _unify_scales(scale_leaf, chain_scale, pre)
+    U = next(iter(Odense.users)) if len(Odense.users) == 1 else None
+    # no unpad in this graph (e.g. a graph break before torch.nested.masked_select, or a padded
+    # consumer): the dense output itself is replaced by pad(hstu.attention) (padding rows proven 0)
+    plan.dense = U is None or U.op != "call_function" or U.target not in _UNPAD_OPS
+    out = U = Odense if plan.dense else U
     if isinstance(_val(U), (tuple, list)):
         gets = [u for u in U.users if u.target is operator.getitem and u.args[1] == 0]
         if len(gets) != 1:
@@ -625,7 +777,13 @@ def prove(gm, S, pv) -> Plan:
         out = gets[0]
     plan.out = out
     OL = (layouts[Xnode][0], ((sympy.Integer(N), "i", sympy.Integer(1)),), plan._Y[2])
-    OL = _through_layout(o_ops, OL)
+    for op in o_ops:  # layouts of the dense operands of the row scales, for the numeric proof
+        if op in pre:
+            pre[op].layout = OL
+        OL = _through_layout([op], OL)
+    post = {} if plan.dense else _unify_side(scale_leaf, chain_scale or any(m.power for m in pre.values()),
+                                             after_unpad(out, plan))
+    scale_leaf = scale_leaf or next((m.leaf for m in post.values() if m.leaf is not None), None)
     first = lay.normalize_dim(OL[0]) if OL else ()
     bi = (_key((B, "b", sympy.Integer(1))), _key((sympy.Integer(N), "i", sympy.Integer(1))))
     if tuple(map(_key, first)) == bi:
@@ -633,7 +791,9 @@ def prove(gm, S, pv) -> Plan:
     elif len(OL) >= 2 and tuple(map(_key, first)) == bi[:1] and _dimkey(OL[1]) == bi[1:]:
         rest = OL[2:]
     else:
-        raise Decline("dense attention output is not laid out as [B, N, ...] before the unpad")
+        raise Decline("dense attention output is not laid out as [B, N, ...] before the unpad"
+                      + (f" (no unpad: consumed by {', '.join(sorted(u.name for u in Odense.users))})"
+                         if plan.dense else ""))
     out_rest = [m for d in rest for m in lay.normalize_dim(d)]
     want = {_key(m): m for m in plan.head_modes + plan.e_modes}
     if sorted(map(_key, out_rest)) != sorted(want) or any(m[1] is None for m in out_rest):
@@ -641,8 +801,12 @@ def prove(gm, S, pv) -> Plan:
     plan.out_rest = out_rest
     rest_shape = [sym_expr(s) for s in _val(Odense).shape[len(OL) - len(rest):]]
     out_shape = [sym_expr(s) for s in _val(out).shape]
-    if len(out_shape) != 1 + len(rest_shape) or not all(lay.eq(a, b) for a, b in zip(out_shape[1:], rest_shape)):
+    if not plan.dense and (len(out_shape) != 1 + len(rest_shape)
+                           or not all(lay.eq(a, b) for a, b in zip(out_shape[1:], rest_shape))):
         raise Decline("unpad output shape is not [L, features]")
+    plan.rest_shape = [int(s) for s in rest_shape] if all(s.is_Integer for s in rest_shape) else None
+    if plan.dense and plan.rest_shape is None:
+        raise Decline("dense attention output has symbolic feature dims")
 
     # ---- extra users: intermediates must stay inside the candidate
     region = set()
@@ -650,12 +814,14 @@ def prove(gm, S, pv) -> Plan:
         order, _ = closure([x.D], {x.src})
         region |= {n for n in order if _is_float(n)}
         region |= set(x.ops)
+        region |= {op.args[0] for op in x.ops if op.target is operator.getitem}  # the split itself
     region |= {n for n in sderived}
     region |= {pv, *o_ops}
     u_order, u_leaves = closure([out], {Odense})
     region |= {n for n in u_order if _is_float(n) and n is not out}
     if U is not out:
         region.add(U)
+    region.discard(out)  # dense mode: the output is Odense itself
     for n in region:
         for u in n.users:
             if u not in region and u is not out and not _is_dead(u):
@@ -666,9 +832,121 @@ def prove(gm, S, pv) -> Plan:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily(), torch.no_grad():
-            _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, Odense, u_order, u_leaves,
-                       rest_shape, fo)
+        _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, Odense, u_order, u_leaves,
+                       rest_shape, fo, chain_scale, pre, post)
     return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Row scales applied to the attention output (``(P @ V) * attn_scale`` per query row)
+
+
+@dataclasses.dataclass
+class RowScale:
+    """``node = main * factor`` (or ``main / factor``) where ``factor`` depends only on a scale
+    input, the jagged descriptor and constants. Proven numerically to be ``c * s_row ** power``."""
+    node: torch.fx.Node
+    main: torch.fx.Node
+    factor: torch.fx.Node
+    div: bool
+    leaf: Optional[torch.fx.Node]  # the float input the factor reads (None: a constant factor)
+    power: int = 0
+    layout: tuple = None            # layout of ``main`` (dense, before the unpad); None after it
+    c: Optional[float] = None
+
+
+def _scale_like(leaf, plan) -> bool:
+    val = _val(leaf)
+    return isinstance(val, torch.Tensor) and val.is_floating_point() and leaf.op == "placeholder" and (
+        val.numel() == 1 or (val.dim() == 1 and _hint(val.shape[0]) == _hint(_val(plan.q.src).shape[0])))
+
+
+def row_scale(cur, plan) -> Optional[RowScale]:
+    """``cur``'s single user when it multiplies (divides) ``cur`` elementwise, without broadcasting
+    it, by a factor made only of one scale input (scalar or ``[L]``), the jagged descriptor and
+    constants; else None."""
+    if len(cur.users) != 1:
+        return None
+    u = next(iter(cur.users))
+    if u.op != "call_function" or u.target not in (aten.mul.Tensor, aten.div.Tensor) or len(u.args) != 2:
+        return None
+    a0, a1 = u.args
+    if a0 is cur and isinstance(a1, torch.fx.Node):
+        factor = a1
+    elif u.target is aten.mul.Tensor and a1 is cur and isinstance(a0, torch.fx.Node):
+        factor = a0
+    else:
+        return None
+    cv, uv, fv = _val(cur), _val(u), _val(factor)
+    if not all(isinstance(t, torch.Tensor) for t in (cv, uv, fv)) or not fv.is_floating_point() or \
+            uv.dim() != cv.dim() or fv.dim() > cv.dim() or not all(lay.eq(a, b) for a, b in zip(uv.shape, cv.shape)):
+        return None
+    order, leaves = closure([factor], set())
+    if any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in order):
+        return None
+    floats = []
+    for leaf in leaves:
+        val = _val(leaf)
+        if leaf is plan.offsets or leaf.op == "get_attr" or isinstance(val, torch.SymInt):
+            continue
+        if not _scale_like(leaf, plan):
+            return None
+        floats.append(leaf)
+    if len(floats) > 1:
+        return None
+    return RowScale(u, cur, factor, u.target is aten.div.Tensor, floats[0] if floats else None,
+                    power=1 if floats else 0)
+
+
+def output_chain(pv, plan):
+    """Follow the value product forward through layout ops, scalar multiplies and row scales
+    (``dict`` node -> RowScale) to the dense tensor read by the unpad."""
+    ops, factor, cur, scales = [], 1.0, pv, {}
+    while True:
+        cur, step, f = walk_forward(cur)
+        ops += step
+        factor *= f
+        m = row_scale(cur, plan)
+        if m is None:
+            return cur, ops, factor, scales
+        scales[m.node] = m
+        ops.append(m.node)
+        cur = m.node
+
+
+def after_unpad(out, plan):
+    """Row scales applied directly to the unpadded output (in order)."""
+    scales, cur = {}, out
+    while (m := row_scale(cur, plan)) is not None:
+        scales[m.node] = m
+        cur = m.node
+    return scales
+
+
+def _unify_scales(leaf, used, scales):
+    """The one scale input of the candidate; a second input or a second use declines."""
+    for m in scales.values():
+        if m.leaf is None:
+            continue
+        if leaf is not None and m.leaf is not leaf:
+            raise Decline(f"attention output scaled by {m.leaf.name} and scores by {leaf.name}: two scale inputs")
+        if used:
+            raise Decline(f"{leaf.name if leaf is not None else m.leaf.name} scales the attention twice")
+        leaf, used = m.leaf, True
+    return leaf
+
+
+def _unify_side(leaf, used, scales):
+    """Row scales after the unpad are optional (leaving them to the user is exact): keep the
+    prefix that uses at most one scale input once."""
+    kept = {}
+    for n, m in scales.items():
+        if m.leaf is not None and ((leaf is not None and m.leaf is not leaf) or used):
+            break
+        if m.leaf is not None:
+            leaf, used = m.leaf, True
+        kept[n] = m
+    return kept
 
 
 def _is_dead(n, depth=0) -> bool:
@@ -676,7 +954,7 @@ def _is_dead(n, depth=0) -> bool:
     tensors while tracing): it does not keep an intermediate alive."""
     if depth > 8 or n.op != "call_function" or n.is_impure():
         return False
-    if not (lay.is_layout_node(n) or n.target is aten.detach.default):
+    if not (lay.is_layout_node(n) or n.target in (aten.detach.default, operator.getitem)):  # getitem: split output
         return False
     return all(_is_dead(u, depth + 1) for u in n.users)
 
@@ -698,7 +976,7 @@ def _check_leaves(leaves, allowed, what):
 
 
 def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, Odense, u_order, u_leaves,
-                   rest_shape, fo):
+                   rest_shape, fo, chain_scale=True, pre=None, post=None):
     N, B = plan.N, plan._B
     q, k, v = plan.q, plan.k, plan.v
     Lq = sym_expr(_val(q.src).shape[0])
@@ -709,10 +987,15 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
                if sym_expr(_val(x.src).shape[0]).free_symbols == set()), Lq)
     pads = []
     for x in (q, k, v):
+        if any(x.D is y.D for y, _ in pads):  # one padded tensor sliced into several operands
+            continue
         order, leaves = closure([x.D], {x.src})
         _check_leaves(leaves, {x.src, plan.offsets}, f"pad of {x.src.name}")
         pads.append((x, order))
     _check_leaves(u_leaves, {Odense, plan.offsets}, "unpad")
+    pre, post = pre or {}, post or {}
+    sides = {m.node: closure([m.factor], set())[0] for m in [*pre.values(), *post.values()]}
+    post_ok = len(post)  # row scales after the unpad that passed every probe so far
     sym_leaves = [n for n in gm.graph.nodes if isinstance(_val(n), torch.SymInt)
                   and (n.op == "placeholder" or n.target is aten.sym_size.int)]
 
@@ -725,7 +1008,7 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
     chosen = None
     for p, lengths in enumerate(probes):
         Bp, Lp = len(lengths), sum(lengths)
-        pairs = [(sym_expr(_val(plan.offsets).shape[0]), Bp + 1)]
+        pairs = [(sym_expr(_val(plan.offsets).shape[0]), Bp + (0 if plan.lengths else 1))]
         pairs += [(sym_expr(_val(x.src).shape[0]), Lp) for x in (q, k, v)]
         if scale_leaf is not None and _val(scale_leaf).dim() == 1 and _val(scale_leaf).numel() != 1:
             pairs.append((sym_expr(_val(scale_leaf).shape[0]), Lp))
@@ -734,7 +1017,7 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
         binding = solve_binding(pairs, base)
         off = torch.tensor([0] + list(itertools_accumulate(lengths)), dtype=_val(plan.offsets).dtype)
         lens = torch.tensor(lengths, dtype=torch.int64)
-        env0 = {plan.offsets: off}
+        env0 = {plan.offsets: descriptor_probe(plan, off, lens)}
         for s in sym_leaves:
             try:
                 env0[s] = concrete(_val(s), binding)
@@ -773,9 +1056,9 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
         crdS = lay.coords(Sc, Sshape)
         in_seq_S = (crdS["i"] < lens[crdS["b"]]) & (crdS["j"] < lens[crdS["b"]])
         S_probe = _rand(Sshape, gen) * in_seq_S
+        scale_probe = probe_scale(scale_leaf, binding, gen, env0)
         env = dict(env0)
         env[plan.S] = S_probe
-        scale_probe = probe_scale(scale_leaf, binding, gen, env)
         env = evaluate(gm, s_order, env)
         X = env[plan.pv.args[0]]
         XLc = lay.concretize(layouts[plan.pv.args[0]], binding)
@@ -786,7 +1069,7 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
         S_at = lay.gather(S_probe, Sc, crd).expand(X.shape)
         if not bool(torch.isfinite(X).all()):
             raise Decline("scores are not finite on padding positions (e.g. -inf masking)")
-        s_at = scalar_scale(scale_probe)
+        s_at = scalar_scale(scale_probe if chain_scale else None)
         if s_at is None:
             s_at = lay.gather(reference_pad(scale_probe, off, N), (((Bp, "b", 1),), ((N, "i", 1),)),
                               crd).expand(X.shape)
@@ -798,27 +1081,84 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
         expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
         if not close(torch.where(in_seq, X, 0.0), torch.where(in_seq, expect, 0.0)):
             raise Decline(f"scores differ from mask * scale * silu(alpha * qk) on probe {p} (lengths {lengths})")
+        if plan.dense and bool(((X != 0) & (ii >= n_b) & (jj < n_b)).any()):
+            raise Decline(f"attention output is used padded (no unpad) but its padding rows are not zero "
+                          f"(probe {p})")
 
-        # unpad
+        # unpad (none in dense mode)
         Oshape = [concrete(s, binding) for s in _val(Odense).shape]
         O_probe = _rand(Oshape, gen)
-        env = evaluate(gm, u_order, {**env0, Odense: O_probe})
-        got = env[plan.out]
-        rest = [concrete(s, binding) for s in rest_shape]
-        flat = O_probe.reshape(Bp * N, *rest)
-        seq = torch.repeat_interleave(torch.arange(Bp), lens)
-        pos = torch.arange(Lp) - off[:-1].to(torch.int64)[seq]
-        if not (got.shape == (Lp, *rest) and torch.equal(got.to(torch.float64), flat[seq * N + pos])):
-            raise Decline("unpad does not read row (b, n) of the dense output for every jagged row")
+        if not plan.dense:
+            env = evaluate(gm, u_order, {**env0, Odense: O_probe})
+            got = env[plan.out]
+            rest = [concrete(s, binding) for s in rest_shape]
+            flat = O_probe.reshape(Bp * N, *rest)
+            seq = torch.repeat_interleave(torch.arange(Bp), lens)
+            pos = torch.arange(Lp) - off[:-1].to(torch.int64)[seq]
+            if not (got.shape == (Lp, *rest) and torch.equal(got.to(torch.float64), flat[seq * N + pos])):
+                raise Decline("unpad does not read row (b, n) of the dense output for every jagged row")
+
+        # row scales: factor == c * s_row ** power on every row the unpad reads
+        for idx, m in enumerate([*pre.values(), *post.values()]):
+            if m.node in post and list(post).index(m.node) >= post_ok:
+                continue
+            try:
+                _check_row_scale(gm, m, sides[m.node], env0, binding, scale_probe, off, lens, N, p, plan.dense)
+            except Decline:
+                if m.node not in post:
+                    raise
+                post_ok = list(post).index(m.node)  # leave it (and what follows) to the user
 
     alpha, c0, params = chosen
     plan.alpha = float(alpha * q.factor * k.factor)
     plan.params = params
-    factor = c0 * v.factor * fo
+    kept = [*pre.values(), *list(post.values())[:post_ok]]
+    if post_ok:
+        plan.out = kept[-1].node
+    if not chain_scale and not any(m.power for m in kept):
+        scale_leaf = None
+    factor = c0 * v.factor * fo * math.prod(m.c for m in kept)
     if scale_leaf is None:
         plan.scale = None if abs(factor * N - 1.0) <= 1e-9 else float(factor)
     else:
         plan.scale_node, plan.scale_factor = scale_leaf, float(factor)
+
+
+def _check_row_scale(gm, m, order, env0, binding, scale_probe, off, lens, N, p, dense=False):
+    """One probe of a row scale: ``m``'s effective factor (broadcast to its main operand) must be
+    ``m.c * s_row ** m.power`` on the rows the unpad reads (fits ``m.c`` on the first probe); with
+    no unpad (``dense``) it must also be finite on padding rows (they stay zero)."""
+    env = evaluate(gm, order, env0)
+    shape = [concrete(s, binding) for s in _val(m.main).shape]
+    try:
+        fac = torch.broadcast_to(env[m.factor].to(torch.float64), shape)
+    except RuntimeError as e:
+        raise Decline(f"scale {m.factor.name} does not broadcast to the attention output") from e
+    eff = 1.0 / fac if m.div else fac
+    if dense and not bool(torch.isfinite(eff).all()):
+        raise Decline(f"{m.node.name} is not finite on padding rows of the dense attention output")
+    if m.layout is not None:  # dense: rows (b, i) from the layout algebra
+        crd = lay.coords(lay.concretize(m.layout, binding), shape)
+        b, i = crd["b"], crd["i"]
+        rows = (i < lens[b]).expand(shape)
+        srow = None if scale_probe is None or not m.power else scalar_scale(scale_probe)
+        if m.power and srow is None:
+            srow = reference_pad(scale_probe, off, N)[b, i].expand(shape)
+    else:  # after the unpad: row r is jagged row r
+        rows = torch.ones(shape, dtype=torch.bool)
+        srow = None if not m.power else scalar_scale(scale_probe)
+        if m.power and srow is None:
+            srow = scale_probe.reshape([-1] + [1] * (len(shape) - 1)).expand(shape)
+    if srow is None:
+        srow = torch.ones((), dtype=torch.float64)
+    if not bool(rows.any()):
+        return
+    ratio = (eff / srow.expand(shape))[rows]
+    if m.c is None:
+        m.c = float(ratio[0])
+    if m.c == 0 or not bool(torch.allclose(ratio, torch.full_like(ratio, m.c), rtol=1e-9, atol=0)):
+        raise Decline(f"{m.node.name} does not scale each query row by "
+                      f"{'its attn_scale' if m.power else 'one constant'} (probe {p})")
 
 
 def itertools_accumulate(xs):
@@ -927,20 +1267,38 @@ def _reshape(graph, x, feature_sizes):
     return _emit(graph, aten.reshape.default, [x, [-1, *feature_sizes]])
 
 
+def _narrowed(graph, x: Operand):
+    """The operand's jagged source with its proven feature slices applied (``src[:, a:b]``)."""
+    t = x.src
+    for k, start, length in x.narrows:
+        t = _emit(graph, aten.slice.Tensor, [t, 1 + k, start, start + length])
+    return t
+
+
+def emit_offsets(graph, plan):
+    """The op's offsets: the user's offsets input, or ``[0, cumsum(lengths)]`` from lengths."""
+    if not plan.lengths:
+        return plan.offsets
+    csum = _emit(graph, aten.cumsum.default, [plan.offsets, 0])
+    zero = _emit(graph, aten.new_zeros.default, [csum, [1]])
+    return _emit(graph, aten.cat.default, [[zero, csum]])  # (constant_pad_nd's meta would specialize B)
+
+
 def rewrite(gm, plan: Plan):
     graph = gm.graph
     q, k, v = plan.q, plan.k, plan.v
-    fq = [int(s) for s in _val(q.src).shape[1:]]
-    fv = [int(s) for s in _val(v.src).shape[1:]]
     with graph.inserting_before(plan.out):
-        q3 = _regroup(graph, q.src, fq, "q", [plan.head_modes, plan.c_modes])
-        k3 = q3 if k.src is q.src else _regroup(graph, k.src, fq, "q", [plan.head_modes, plan.c_modes])
-        v3 = _regroup(graph, v.src, fv, "v", [plan.v_head_modes, plan.e_modes])
+        q3 = _regroup(graph, _narrowed(graph, q), q.feat, "q", [plan.head_modes, plan.c_modes])
+        k3 = q3 if (k.src, k.narrows) == (q.src, q.narrows) else \
+            _regroup(graph, _narrowed(graph, k), k.feat, "q", [plan.head_modes, plan.c_modes])
+        v3 = _regroup(graph, _narrowed(graph, v), v.feat, "v", [plan.v_head_modes, plan.e_modes])
         dtype = _val(q.src).dtype
         scale = emit_scale(graph, plan, dtype, _val(q.src).device)
         causal, w, c, f = plan.params
+        plan.offsets_arg = emit_offsets(graph, plan)
         y = _emit(graph, torch.ops.hstu.attention.default,
-                  [q3, k3, v3, plan.offsets, plan.N, plan.alpha, plan.num_targets, scale, w, c, f, causal])
+                  [q3, k3, v3, plan.offsets_arg, plan.N, plan.alpha, plan.num_targets, scale, w, c, f,
+                   causal])
         replace_output(graph, plan, y, dtype)
 
 
@@ -969,10 +1327,28 @@ def replace_output(graph, plan, y, dtype):
     if perm != sorted(perm):
         x = _emit(graph, aten.permute.default, [x, [0, *perm]])
     out_val = _val(plan.out)
-    x = _reshape(graph, x, [int(s) for s in out_val.shape[1:]])
+    if getattr(plan, "dense", False):
+        x = _pad_rows(graph, plan, _reshape(graph, x, plan.rest_shape), y)
+    else:
+        x = _reshape(graph, x, [int(s) for s in out_val.shape[1:]])
     if out_val.dtype != dtype:
         x = _emit(graph, aten._to_copy.default, [x], {"dtype": out_val.dtype})
     plan.out.replace_all_uses_with(x)
+
+
+def _pad_rows(graph, plan, x, y):
+    """``x [L, *rest]`` -> the dense output's shape, zero rows past each length (index_put into
+    zeros on flat rows ``b*N + p``; differentiable, no data-dependent sizes)."""
+    offsets = plan.offsets_arg
+    L = _emit(graph, aten.sym_size.int, [y, 0])
+    rows = _emit(graph, aten.arange.start, [0, L], {"dtype": torch.int64, "device": _val(y).device})
+    seq = _emit(graph, aten.sub.Tensor, [_emit(graph, aten.searchsorted.Tensor, [offsets, rows], {"right": True}), 1])
+    pos = _emit(graph, aten.sub.Tensor, [rows, _emit(graph, aten.index.Tensor, [offsets, [seq]])])
+    flat = _emit(graph, aten.add.Tensor, [_emit(graph, aten.mul.Tensor, [seq, plan.N]), pos])
+    B = _emit(graph, operator.sub, [_emit(graph, aten.sym_size.int, [offsets, 0]), 1])
+    zeros = _emit(graph, aten.new_zeros.default, [x, [_emit(graph, operator.mul, [B, plan.N]), *plan.rest_shape]])
+    dense = _emit(graph, aten.index_put.default, [zeros, [flat], x])
+    return _emit(graph, aten.reshape.default, [dense, [-1, *[int(s) for s in _val(plan.out).shape[1:]]]])
 
 
 def describe_scale(plan) -> str:
@@ -987,6 +1363,10 @@ def describe(plan: Plan) -> str:
     parts.append(describe_scale(plan))
     if plan.num_targets is not None:
         parts.append(f"num_targets={plan.num_targets.name}")
+    if plan.lengths:
+        parts.append(f"offsets from lengths {plan.offsets.name}")
+    if plan.dense:
+        parts.append("dense output, no unpad in this graph")
     if not causal:
         parts.append("causal=False")
     if w:
@@ -996,7 +1376,9 @@ def describe(plan: Plan) -> str:
     if f:
         parts.append(f"min_full_attn_seq_len={f}")
     pads = sorted({_name(x.D) for x in (plan.q, plan.k, plan.v)})
-    return f"silu attention ({', '.join(parts)}; pad via {'/'.join(pads)}, unpad via {_name(plan.out)})"
+    if any(x.narrows for x in (plan.q, plan.k, plan.v)):
+        pads.append(f"feature slices of {'/'.join(sorted({x.D.name for x in (plan.q, plan.k, plan.v)}))}")
+    return f"silu attention ({', '.join(parts)}; pad via {'/'.join(pads)}, {'no unpad' if plan.dense else 'unpad via ' + _name(plan.out)})"
 
 
 @register("attention")

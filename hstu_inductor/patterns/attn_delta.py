@@ -58,9 +58,9 @@ _MAX_PROBE_ELEMS = 6e7
 def is_candidate(S, pv) -> bool:
     """``S``'s left operand is a dense (unpadded) tensor, its right operand and ``pv``'s right
     operand are pads: the shape of cached attention."""
-    qD, _, _ = A.walk_operand(S.args[0])
-    kD, _, _ = A.walk_operand(S.args[1])
-    vD, _, _ = A.walk_operand(pv.args[1])
+    qD, _, _ = A.walk_sliced(S.args[0])
+    kD, _, _ = A.walk_sliced(S.args[1])
+    vD, _, _ = A.walk_sliced(pv.args[1])
     return (not A.is_pad(qD)) and A._is_float(qD) and A.is_pad(kD) and A.is_pad(vD)
 
 

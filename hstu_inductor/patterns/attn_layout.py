@@ -261,6 +261,27 @@ def apply(node, layout, check_only=False):
     raise LayoutError(f"not a layout op: {t}")
 
 
+def narrow(layout, dim, start, stop, axis_size):
+    """Keep index digits ``start <= d < stop`` of dimension ``dim`` (a feature slice/select).
+
+    Expressible only when ``dim`` is one mode ``(size, axis, stride)`` carrying the outermost digit
+    of ``axis`` (whose modes tile ``[0, axis_size)``): the kept elements are then the contiguous
+    coordinate range ``[start*stride, stop*stride)`` of ``axis``, i.e. a narrowed *source*.
+    Returns ``(layout relative to the narrowed source, (axis, first coordinate, new axis size))``."""
+    modes = normalize_dim(layout[dim])
+    if len(modes) != 1 or modes[0][1] is None:
+        raise LayoutError("slice of a dimension that is not one logical axis digit")
+    size, axis, stride = modes[0]
+    if not (0 <= start < stop <= int(size)):
+        raise LayoutError("slice out of range")
+    same = [m for d in layout for m in normalize_dim(d) if m[1] == axis]
+    if not tiles(same, axis_size) or any(int(m[2]) > int(stride) for m in same):
+        raise LayoutError("slice does not select a contiguous range of its axis")
+    new = list(layout)
+    new[dim] = ((sympy.Integer(stop - start), axis, stride),)
+    return tuple(new), (axis, int(start * stride), int((stop - start) * stride))
+
+
 # ---------------------------------------------------------------------------------------------
 # Concrete evaluation helpers (probe sizes are plain ints)
 

@@ -8,6 +8,9 @@ does **not** enumerate them: it proves the semantics of whatever subgraph it fin
 Signature of every spelling: ``fn(q, k, v, offsets, num_targets=None, attn_scale=None)`` with
 ``q, k: [L, H, D]`` (or ``[L, H*D]`` where noted), ``v: [L, H, Dv]``, returning ``[L, H, Dv]``
 (or ``[L, H*Dv]``). ``N`` (max_seq_len) and ``ALPHA`` are module constants, as they are in models.
+Two other input forms (last column of ``SPELLINGS``): ``"lengths"``, the same with per-sequence
+``lengths [B]`` instead of ``offsets``; ``"uvqk"``, ``fn(uvqk, offsets, num_targets=None,
+attn_scale=None)`` with one projection output ``uvqk [L, 2*H*(Dv+Dq)]`` (u, v, q, k in this order).
 
 ``NEAR_MISSES`` lists functions that look like HSTU attention but are not (or are not provably);
 the rewriter must leave them alone and report why.
@@ -250,6 +253,123 @@ def nested_padded(q, k, v, offsets, num_targets=None, attn_scale=None):
     return _unpad_index(out, offsets, L)
 
 
+def lengths_cat_cumsum(q, k, v, lengths, num_targets=None, attn_scale=None):
+    """Per-sequence ``lengths`` input; offsets computed as ``cat([0], lengths.cumsum(0))``; index_put
+    pads, einsum, ``tril``, advanced-index unpad."""
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    p = torch.tril(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp))) / N
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+
+
+def lengths_pad_cumsum_mask(q, k, v, lengths, num_targets=None, attn_scale=None):
+    """``lengths`` input; rows located with ``F.pad(lengths.cumsum(0), (1, 0))`` (scatter pad on flat
+    rows, index_select unpad) while the padding mask uses ``arange(N) < lengths[:, None]``
+    directly; ``bmm`` heads-first, ``where`` mask, targets clamp the ids."""
+    L, H, _ = q.shape
+    B = lengths.numel()
+    offsets = F.pad(lengths.cumsum(0), (1, 0))
+
+    def heads_first(t):
+        return _pad_scatter(t.reshape(L, -1), offsets).view(B, N, H, -1).transpose(1, 2).reshape(B * H, N, -1)
+
+    pos = torch.arange(N, device=q.device)
+    valid = pos[None, :] < lengths[:, None]  # [B, N]
+    ids = torch.minimum(pos[None, :], (lengths - num_targets)[:, None])
+    mask = ((pos[:, None] == pos[None, :])[None] | (ids[:, :, None] > ids[:, None, :]))
+    mask = mask & valid[:, :, None] & valid[:, None, :]
+    s = torch.bmm(heads_first(q), heads_first(k).transpose(1, 2))
+    p = torch.where(mask.repeat_interleave(H, 0), F.silu(ALPHA * s), 0.0) / N
+    out = torch.bmm(p, heads_first(v)).view(B, H, N, -1).transpose(1, 2).reshape(B * N, -1)
+    return _unpad_index_select(out, offsets, L).view(L, H, -1)
+
+
+def lengths_fbgemm_cumsum(q, k, v, lengths, num_targets=None, attn_scale=None):
+    """``lengths`` input; offsets from ``fbgemm.asynchronous_complete_cumsum``; fbgemm
+    ``jagged_to_padded_dense`` / ``dense_to_jagged`` (only when fbgemm_gpu imports)."""
+    L, H, _ = q.shape
+    B = lengths.numel()
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    qp, kp, vp = (torch.ops.fbgemm.jagged_to_padded_dense(t.reshape(L, -1), [offsets], [N], 0.0).view(B, N, H, -1)
+                  for t in (q, k, v))
+    p = F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp)) * torch.ones(N, N, device=q.device).tril() / N
+    out = torch.einsum("bhnm,bmhd->bnhd", p, vp).reshape(B, N, -1)
+    return torch.ops.fbgemm.dense_to_jagged(out, [offsets], L)[0].view(L, H, -1)
+
+
+def _uvqk_sizes(uvqk, heads=2):
+    """``[H*Dv, H*Dv, H*Dq, H*Dq]`` of a uvqk projection with Dq == Dv (as in the tests)."""
+    d = uvqk.shape[-1] // 4
+    return [d, d, d, d], heads
+
+
+def uvqk_split_padded(uvqk, offsets, num_targets=None, attn_scale=None):
+    """One padded projection output: ``uvqk [L, 2H(Dv+Dq)]`` padded once (index_put) to
+    ``[B, N, 2H(Dv+Dq)]``, then ``torch.split`` into u, v, q, k (u unused here), heads by ``view``,
+    einsum, targets-free ``tril``; unpad of the dense output."""
+    sizes, H = _uvqk_sizes(uvqk)
+    padded = _pad_index_put(uvqk, offsets)
+    B = padded.shape[0]
+    _, v, q, k = (t.view(B, N, H, -1) for t in torch.split(padded, sizes, dim=-1))
+    p = torch.tril(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", q, k))) * (1.0 / N)
+    out = torch.einsum("bhnm,bmhd->bnhd", p, v)
+    return _unpad_index(out, offsets, uvqk.shape[0])
+
+
+def uvqk_slices_matmul(uvqk, offsets, num_targets=None, attn_scale=None):
+    """``uvqk`` padded to flat rows ``[B*N, F]`` (index_copy), viewed ``[B, N, 4, H, D]``, q/k/v
+    taken with ``select`` on the chunk dim and a ``[..., a:b]`` slice, heads-first ``matmul``,
+    arange mask, ``/ N``."""
+    sizes, H = _uvqk_sizes(uvqk)
+    B = offsets.numel() - 1
+    padded = _pad_index_copy(uvqk, offsets).view(B, N, 4, H, -1)
+    q = padded[:, :, 2].transpose(1, 2)
+    k = padded[:, :, 3].transpose(1, 2)
+    v = padded.view(B, N, -1)[:, :, sizes[0]:sizes[0] + sizes[1]].view(B, N, H, -1).transpose(1, 2)
+    p = F.silu(torch.matmul(q, k.transpose(-1, -2)) * ALPHA) * _causal_mask_arange(offsets)[:, None] / N
+    out = torch.matmul(p, v).transpose(1, 2)
+    return _unpad_index(out, offsets, uvqk.shape[0])
+
+
+def row_scale_after_pv(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Per-row ``attn_scale [L]`` applied after ``P @ V`` on the dense output (padded with index_put,
+    ``[B, N, 1, 1]``), ``tril`` mask, einsum: equal to scaling every score row."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    p = torch.tril(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp)))
+    out = torch.einsum("bhnm,bmhd->bnhd", p, vp) * _pad_index_put(attn_scale, offsets)[:, :, None, None]
+    return _unpad_index(out, offsets, q.shape[0])
+
+
+def inv_n_after_pv(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """``1/N`` applied to the dense output after ``P @ V`` (``out / N``) and a scalar ``attn_scale``
+    multiplied into the unpadded output; bmm heads-first, masked_fill."""
+    L, H, _ = q.shape
+    B = offsets.numel() - 1
+
+    def heads_first(t):
+        return _pad_index_put(t, offsets).transpose(1, 2).reshape(B * H, N, -1)
+
+    s = torch.bmm(heads_first(q), heads_first(k).transpose(1, 2))
+    p = F.silu(ALPHA * s).masked_fill(~_causal_mask_arange(offsets).repeat_interleave(H, 0), 0.0)
+    out = (torch.bmm(p, heads_first(v)) / N).view(B, H, N, -1).transpose(1, 2)
+    return _unpad_index(out, offsets, L) * attn_scale
+
+
+def nested_masked_select(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Unpad with ``torch.nested.masked_select(dense, valid).values()`` (padded dense + validity mask
+    -> nested jagged tensor -> values). Dynamo does not trace ``torch.nested.masked_select`` (graph
+    break): the compiled graph ends at the dense ``[B, N, H*D]`` output, which is rewritten as
+    ``pad(hstu.attention(...))`` (its padding rows are proven zero); the unpad runs eagerly."""
+    L, H, _ = q.shape
+    B = offsets.numel() - 1
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    p = torch.tril(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp))) / N
+    out = torch.einsum("bhnm,bmhd->bnhd", p, vp).reshape(B, N, -1)
+    lengths = offsets[1:] - offsets[:-1]
+    valid = torch.arange(N, device=q.device)[None, :, None] < lengths[:, None, None]
+    return torch.nested.masked_select(out, valid.expand_as(out)).values().view(L, H, -1)
+
+
 def non_causal(q, k, v, offsets, num_targets=None, attn_scale=None):
     """No mask at all: every in-sequence pair attends (``causal=False``, modelled by the op)."""
     qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
@@ -258,18 +378,26 @@ def non_causal(q, k, v, offsets, num_targets=None, attn_scale=None):
 
 
 #: name -> (function, needs num_targets, needs attn_scale ("scalar" / "row" / None), needs fbgemm,
-#:          differentiable)
+#:          differentiable, inputs ("qkv" / "lengths" / "uvqk", see the module docstring))
 SPELLINGS = {
-    "reference": (reference_spelling, True, None, False, True),
-    "einsum_index_put_tril": (einsum_index_put_tril, False, None, False, True),
-    "matmul_index_copy_where": (matmul_index_copy_where, False, None, False, True),
-    "bmm_scatter_masked_fill": (bmm_scatter_masked_fill, False, "scalar", False, True),
-    "gather_pad_targets": (gather_pad_targets, True, None, False, True),
-    "contextual_window": (contextual_window, True, "row", False, True),
-    "fbgemm_dense": (fbgemm_dense, False, None, True, True),
-    "aten_jagged_dense": (aten_jagged_dense, False, None, False, False),
-    "nested_padded": (nested_padded, False, None, False, False),  # training: see NEAR_MISSES_TRAINING
-    "non_causal": (non_causal, False, None, False, True),
+    "reference": (reference_spelling, True, None, False, True, "qkv"),
+    "einsum_index_put_tril": (einsum_index_put_tril, False, None, False, True, "qkv"),
+    "matmul_index_copy_where": (matmul_index_copy_where, False, None, False, True, "qkv"),
+    "bmm_scatter_masked_fill": (bmm_scatter_masked_fill, False, "scalar", False, True, "qkv"),
+    "gather_pad_targets": (gather_pad_targets, True, None, False, True, "qkv"),
+    "contextual_window": (contextual_window, True, "row", False, True, "qkv"),
+    "fbgemm_dense": (fbgemm_dense, False, None, True, True, "qkv"),
+    "aten_jagged_dense": (aten_jagged_dense, False, None, False, False, "qkv"),
+    "nested_padded": (nested_padded, False, None, False, False, "qkv"),  # training: declined, see docs
+    "lengths_cat_cumsum": (lengths_cat_cumsum, False, None, False, True, "lengths"),
+    "lengths_pad_cumsum_mask": (lengths_pad_cumsum_mask, True, None, False, True, "lengths"),
+    "lengths_fbgemm_cumsum": (lengths_fbgemm_cumsum, False, None, True, True, "lengths"),
+    "uvqk_split_padded": (uvqk_split_padded, False, None, False, True, "uvqk"),
+    "uvqk_slices_matmul": (uvqk_slices_matmul, False, None, False, True, "uvqk"),
+    "row_scale_after_pv": (row_scale_after_pv, False, "row", False, True, "qkv"),
+    "inv_n_after_pv": (inv_n_after_pv, False, "scalar", False, True, "qkv"),
+    "nested_masked_select": (nested_masked_select, False, None, False, True, "qkv"),
+    "non_causal": (non_causal, False, None, False, True, "qkv"),
 }
 
 
@@ -328,6 +456,52 @@ def scores_returned(q, k, v, offsets, num_targets=None, attn_scale=None):
     return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0]), s
 
 
+def lengths_inconsistent(q, k, v, lengths, num_targets=None, attn_scale=None):
+    """``lengths`` input: rows located with offsets from ``lengths.cumsum``, but the padding mask
+    reads another sequence's length (``lengths.flip(0)``)."""
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    pos = torch.arange(N, device=q.device)
+    valid = pos[None, :] < lengths.flip(0)[:, None]
+    mask = (pos[:, None] >= pos[None, :])[None] & valid[:, :, None] & valid[:, None, :]
+    p = F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp)) * mask[:, None] / N
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+
+
+def row_scale_shifted(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Like ``row_scale_after_pv`` but the padded scale is shifted by one position (``roll``): row
+    ``i`` is scaled by row ``i-1``'s attn_scale, not a per-row scale of the op."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    p = torch.tril(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp)))
+    scale = _pad_index_put(attn_scale, offsets).roll(1, dims=1)
+    out = torch.einsum("bhnm,bmhd->bnhd", p, vp) * scale[:, :, None, None]
+    return _unpad_index(out, offsets, q.shape[0])
+
+
+def uvqk_rows_sliced(uvqk, offsets, num_targets=None, attn_scale=None):
+    """Padded uvqk sliced along the *rows* (``padded[:, 1:]``) before the split: query/key row
+    ``n`` is sequence position ``n + 1``, not the q/k/v layout."""
+    sizes, H = _uvqk_sizes(uvqk)
+    padded = _pad_index_put(uvqk, offsets)
+    B = padded.shape[0]
+    _, v, q, k = (t.reshape(B, N - 1, H, -1) for t in torch.split(padded[:, 1:], sizes, dim=-1))
+    p = torch.tril(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", q, k))) / N
+    out = F.pad(torch.einsum("bhnm,bmhd->bnhd", p, v), (0, 0, 0, 0, 0, 1))
+    return _unpad_index(out, offsets, uvqk.shape[0])
+
+
+def dense_padding_rows_filled(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Returns the dense ``[B, N, H, D]`` output (no unpad) whose padding query rows attend to the
+    whole sequence (``masked_fill`` of the weights): in-sequence rows are HSTU, padding rows are not
+    zero, so ``pad(hstu.attention)`` would differ."""
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    lengths = offsets[1:] - offsets[:-1]
+    pad_row = torch.arange(N, device=q.device)[None, :] >= lengths[:, None]  # [B, N]
+    p = torch.tril(F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp))) / N
+    p = p.masked_fill(pad_row[:, None, :, None], 1.0)
+    return torch.einsum("bhnm,bmhd->bnhd", p, vp)
+
+
 #: name -> (function, expected substring of the near-miss reason)
 NEAR_MISSES = {
     "softmax": (softmax_attention, "softmax"),
@@ -337,6 +511,17 @@ NEAR_MISSES = {
     "length_normalised": (length_normalised, "not scale * silu"),
     "dropout": (dropout_weights, "dropout"),
     "scores_returned": (scores_returned, "outside the attention"),
+    "lengths_inconsistent": (lengths_inconsistent, "mask"),
+    "row_scale_shifted": (row_scale_shifted, "does not scale each query row"),
+    "uvqk_rows_sliced": (uvqk_rows_sliced, "along rows"),
+    "dense_padding_rows_filled": (dense_padding_rows_filled, "padding rows are not zero"),
+}
+
+#: inputs of the near misses that differ from ``(q, k, v, offsets)``: name -> (attn_scale, inputs)
+NEAR_MISS_INPUTS = {
+    "lengths_inconsistent": (None, "lengths"),
+    "row_scale_shifted": ("row", "qkv"),
+    "uvqk_rows_sliced": (None, "uvqk"),
 }
 
 

@@ -10,11 +10,18 @@ from hstu_inductor.report import collecting
 H, D = 2, 4
 
 
-def make_inputs(lengths, need_targets=False, scale=None, requires_grad=False, seed=0, extra=None):
+def make_inputs(lengths, need_targets=False, scale=None, requires_grad=False, seed=0, extra=None, inputs="qkv"):
+    """Random inputs for a spelling: ``(q, k, v, offsets, num_targets, attn_scale)``; with
+    ``inputs="lengths"`` the 4th is per-sequence ``lengths``; with ``"uvqk"`` the inputs are
+    ``(uvqk [L, 4*H*D], offsets, num_targets, attn_scale)``."""
     g = torch.Generator().manual_seed(seed)
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    offsets = torch.tensor([0, *lens.cumsum(0).tolist()], dtype=torch.int64)
     L = int(offsets[-1])
-    q, k, v = (torch.randn(L, H, D, generator=g).requires_grad_(requires_grad) for _ in range(3))
+    if inputs == "uvqk":
+        tensors = (torch.randn(L, 4 * H * D, generator=g).requires_grad_(requires_grad),)
+    else:
+        tensors = tuple(torch.randn(L, H, D, generator=g).requires_grad_(requires_grad) for _ in range(3))
     nt = None
     if need_targets:
         nt = torch.tensor([torch.randint(0, n + 1, (), generator=g).item() for n in lengths], dtype=torch.int64)
@@ -23,13 +30,19 @@ def make_inputs(lengths, need_targets=False, scale=None, requires_grad=False, se
         s = torch.rand((), generator=g) + 0.5
     elif scale == "row":
         s = torch.rand(L, generator=g) + 0.5
-    args = (q, k, v, offsets, nt, s)
+    args = (*tensors, lens if inputs == "lengths" else offsets, nt, s)
     return args + tuple(extra or ())
 
 
-def spelling_inputs(name, lengths=(5, 0, 8, 3), **kw):
-    fn, need_nt, scale, _, _ = sp.SPELLINGS[name]
-    return fn, make_inputs(list(lengths), need_nt, scale, **kw)
+def spelling_inputs(name, lengths=(5, 0, 8, 1, 3), **kw):
+    """Inputs for spelling ``name``; the default lengths hold 0, 1 and N = 8."""
+    fn, need_nt, scale, _, _, inputs = sp.SPELLINGS[name]
+    return fn, make_inputs(list(lengths), need_nt, scale, inputs=inputs, **kw)
+
+
+def grad_leaves(args):
+    """The tensors of ``args`` that require grad (q, k, v or uvqk, and attn_scale when set so)."""
+    return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
 
 
 def _fmt(a):
@@ -55,8 +68,9 @@ def summarize(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def rewritten_graph(fn, *args):
-    """Run Dynamo on ``fn`` and return (the rewritten ATen graph of its single frame, report)."""
+def rewritten_graph(fn, *args, fullgraph=True):
+    """Run Dynamo on ``fn`` and return (the rewritten ATen graph of its single frame, or of its
+    first graph with ``fullgraph=False``, report)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -66,6 +80,6 @@ def rewritten_graph(fn, *args):
 
     torch._dynamo.reset()
     with collecting() as report, torch.no_grad():
-        torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    assert len(graphs) == 1 and graphs[0] is not None, report
+        torch.compile(fn, backend=backend, fullgraph=fullgraph)(*args)
+    assert (len(graphs) == 1 or not fullgraph) and graphs[0] is not None, report
     return graphs[0], report

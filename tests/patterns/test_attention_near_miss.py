@@ -11,7 +11,7 @@ from hstu_inductor.report import collecting
 
 from test_attention_helpers import make_inputs, spelling_inputs
 
-LENGTHS = [5, 0, 8, 3]
+LENGTHS = [5, 0, 8, 1, 3]
 
 
 @pytest.mark.parametrize("name", list(sp.NEAR_MISSES))
@@ -21,7 +21,8 @@ def test_near_miss_not_rewritten(name, fresh_dynamo):
     if name == "data_mask":
         g = torch.Generator().manual_seed(3)
         extra = (torch.rand(len(LENGTHS), sp.N, sp.N, generator=g) > 0.3,)
-    args = make_inputs(LENGTHS, seed=2, extra=extra)
+    scale, inputs = sp.NEAR_MISS_INPUTS.get(name, (None, "qkv"))
+    args = make_inputs(LENGTHS, seed=2, extra=extra, scale=scale, inputs=inputs)
     if name == "dropout":  # same random stream as eager, so results can be compared
         ctx = torch._inductor.config.patch(fallback_random=True)
     else:
@@ -74,4 +75,22 @@ def test_mask_of_wrong_length_constant(fresh_dynamo):
     # raw-position window of 2 == HSTU max_attn_len=2 without targets/contextual: rewritten
     assert report.counts["attention"] == 1, report
     assert "max_attn_len=2" in report.details[0][1]
+    torch.testing.assert_close(report.output, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_row_scale_after_unpad_not_per_row_stays_outside(fresh_dynamo):
+    """A scale after the unpad that is not the op's per-row scale (rows reversed) is not absorbed:
+    the attention is still rewritten (scale 1/N) and the user's multiply runs on its output."""
+    def fn(q, k, v, offsets, nt=None, s=None):
+        qp, kp, vp = (sp._pad_index_put(t, offsets) for t in (q, k, v))
+        p = torch.tril(torch.nn.functional.silu(sp.ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp))) / sp.N
+        out = sp._unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+        return out * s.flip(0)[:, None, None]
+
+    args = make_inputs(LENGTHS, scale="row", seed=6)
+    with torch.no_grad():
+        report = hstu_inductor.explain(fn, *args)
+        expected = fn(*args)
+    assert report.counts["attention"] == 1, report
+    assert "scale=1/N" in report.details[0][1], report
     torch.testing.assert_close(report.output, expected, rtol=1e-4, atol=1e-5)

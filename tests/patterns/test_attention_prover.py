@@ -52,3 +52,18 @@ def test_probes_cover_edges():
     assert 0 in flat and 1 in flat and 8 in flat
     fixed = make_probes(8, 3, 12, 10)
     assert all(sum(p) == 12 and len(p) == 3 and max(p) <= 8 for p in fixed)
+
+
+def test_layout_narrow_feature_slices():
+    """Slices of a padded uvqk are slices of the source when they keep a contiguous feature range."""
+    import pytest
+
+    B, N, F = 3, 4, 32  # F = 4 chunks x H=2 x D=4
+    base = lay.source_layout([B, N, F], ["b", "n", "f"])
+    out, (axis, first, length) = lay.narrow(base, 2, 16, 24, F)  # padded[..., 16:24]
+    assert (axis, first, length) == ("f", 16, 8) and lay.dim_size(out[2]) == 8
+    chunks = lay.view(base, [B, N, 4, 2, 4])  # select chunk 2 of [B, N, 4, H, D]
+    out, (_, first, length) = lay.narrow(chunks, 2, 2, 3, F)
+    assert (first, length) == (16, 8)
+    with pytest.raises(lay.LayoutError):  # an inner digit (first 2 of every head's D) is not a range
+        lay.narrow(chunks, 4, 0, 2, F)

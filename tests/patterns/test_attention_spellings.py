@@ -12,7 +12,7 @@ import hstu_inductor
 from hstu_inductor.patterns import spellings_attention as sp
 from hstu_inductor.report import collecting
 
-from test_attention_helpers import rewritten_graph, spelling_inputs, summarize
+from test_attention_helpers import grad_leaves, rewritten_graph, spelling_inputs, summarize
 
 HAS_FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
 
@@ -43,9 +43,9 @@ def test_training_matches_eager(name, fresh_dynamo):
     _skip(name)
     fn, args = spelling_inputs(name, requires_grad=True, seed=1)
     fn_eager, args_eager = spelling_inputs(name, requires_grad=True, seed=1)
-    if args[5] is not None:  # attn_scale gets a gradient too
-        args[5].requires_grad_(True)
-        args_eager[5].requires_grad_(True)
+    if args[-1] is not None:  # attn_scale gets a gradient too
+        args[-1].requires_grad_(True)
+        args_eager[-1].requires_grad_(True)
     compiled = torch.compile(fn, backend="hstu")
     with collecting() as report:
         out = compiled(*args)
@@ -53,10 +53,8 @@ def test_training_matches_eager(name, fresh_dynamo):
     assert report.counts["attention"] == 1, report
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     grad = torch.randn_like(ref)
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    leaves_e = [a for a in args_eager if isinstance(a, torch.Tensor) and a.requires_grad]
-    got = torch.autograd.grad(out, leaves, grad)
-    want = torch.autograd.grad(ref, leaves_e, grad)
+    got = torch.autograd.grad(out, grad_leaves(args), grad)
+    want = torch.autograd.grad(ref, grad_leaves(args_eager), grad)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
 
@@ -68,7 +66,8 @@ class TestRewrittenGraphs(expecttest.TestCase):
     def graph(self, name):
         _skip(name)
         fn, args = spelling_inputs(name)
-        gm, report = rewritten_graph(fn, *args)
+        # torch.nested.masked_select is a graph break: the attention is the first graph
+        gm, report = rewritten_graph(fn, *args, fullgraph=name != "nested_masked_select")
         self.assertEqual(report.counts["attention"], 1)
         return summarize(gm)
 
@@ -80,22 +79,22 @@ class TestRewrittenGraphs(expecttest.TestCase):
 
     def test_matmul_index_copy_where(self):
         self.assertExpectedInline(self.graph("matmul_index_copy_where"), """\
-view = aten.view.default(arg0_1, [16, -1])
+view = aten.view.default(arg0_1, [17, -1])
 mul = aten.mul.Tensor(view, 0.5)
-view_1 = aten.view.default(arg2_1, [16, -1])
-view_2 = aten.view.default(arg3_1, [16, -1])
+view_1 = aten.view.default(arg2_1, [17, -1])
+view_2 = aten.view.default(arg3_1, [17, -1])
 reshape_default = aten.reshape.default(mul, [-1, 2, 4])
 reshape_default_1 = aten.reshape.default(view_1, [-1, 2, 4])
 reshape_default_2 = aten.reshape.default(view_2, [-1, 2, 4])
 attention_default = hstu.attention.default(reshape_default, reshape_default_1, reshape_default_2, arg1_1, 8, 1, None, None, 0, 0, 0, True)
 reshape_default_3 = aten.reshape.default(attention_default, [-1, 8])
-view_9 = aten.view.default(reshape_default_3, [16, 2, -1])""")
+view_9 = aten.view.default(reshape_default_3, [17, 2, -1])""")
 
     def test_bmm_scatter_masked_fill(self):
         self.assertExpectedInline(self.graph("bmm_scatter_masked_fill"), """\
-view = aten.view.default(arg0_1, [16, -1])
-view_2 = aten.view.default(arg2_1, [16, -1])
-view_5 = aten.view.default(arg4_1, [16, -1])
+view = aten.view.default(arg0_1, [17, -1])
+view_2 = aten.view.default(arg2_1, [17, -1])
+view_5 = aten.view.default(arg4_1, [17, -1])
 reshape_default = aten.reshape.default(view, [-1, 2, 4])
 reshape_default_1 = aten.reshape.default(view_2, [-1, 2, 4])
 reshape_default_2 = aten.reshape.default(view_5, [-1, 2, 4])
@@ -109,36 +108,36 @@ attention_default = hstu.attention.default(reshape_default, reshape_default_1, r
 
     def test_fbgemm_dense(self):
         self.assertExpectedInline(self.graph("fbgemm_dense"), """\
-view = aten.view.default(arg0_1, [16, -1])
-view_2 = aten.view.default(arg2_1, [16, -1])
-view_4 = aten.view.default(arg3_1, [16, -1])
+view = aten.view.default(arg0_1, [17, -1])
+view_2 = aten.view.default(arg2_1, [17, -1])
+view_4 = aten.view.default(arg3_1, [17, -1])
 reshape_default = aten.reshape.default(view, [-1, 2, 4])
 reshape_default_1 = aten.reshape.default(view_2, [-1, 2, 4])
 reshape_default_2 = aten.reshape.default(view_4, [-1, 2, 4])
 attention_default = hstu.attention.default(reshape_default, reshape_default_1, reshape_default_2, arg1_1, 8, 0.5, None, None, 0, 0, 0, True)
 reshape_default_3 = aten.reshape.default(attention_default, [-1, 8])
-view_11 = aten.view.default(reshape_default_3, [16, 2, -1])""")
+view_11 = aten.view.default(reshape_default_3, [17, 2, -1])""")
 
     def test_aten_jagged_dense(self):
         self.assertExpectedInline(self.graph("aten_jagged_dense"), """\
-view = aten.view.default(arg0_1, [16, -1])
-view_2 = aten.view.default(arg2_1, [16, -1])
-view_5 = aten.view.default(arg3_1, [16, -1])
+view = aten.view.default(arg0_1, [17, -1])
+view_2 = aten.view.default(arg2_1, [17, -1])
+view_5 = aten.view.default(arg3_1, [17, -1])
 reshape_default = aten.reshape.default(view, [-1, 2, 4])
 reshape_default_1 = aten.reshape.default(view_2, [-1, 2, 4])
 reshape_default_2 = aten.reshape.default(view_5, [-1, 2, 4])
 attention_default = hstu.attention.default(reshape_default, reshape_default_1, reshape_default_2, arg1_1, 8, 0.5, None, None, 0, 0, 0, True)
 reshape_default_3 = aten.reshape.default(attention_default, [-1, 8])
-view_8 = aten.view.default(reshape_default_3, [16, 2, -1])""")
+view_8 = aten.view.default(reshape_default_3, [17, 2, -1])""")
 
     def test_nested_padded(self):
         self.assertExpectedInline(self.graph("nested_padded"), """\
 detach = aten.detach.default(arg0_1)
-view = aten.view.default(detach, [16, 8])
+view = aten.view.default(detach, [17, 8])
 detach_1 = aten.detach.default(arg2_1)
-view_2 = aten.view.default(detach_1, [16, 8])
+view_2 = aten.view.default(detach_1, [17, 8])
 detach_2 = aten.detach.default(arg3_1)
-view_6 = aten.view.default(detach_2, [16, 8])
+view_6 = aten.view.default(detach_2, [17, 8])
 reshape_default = aten.reshape.default(view, [-1, 2, 4])
 reshape_default_1 = aten.reshape.default(view_2, [-1, 2, 4])
 reshape_default_2 = aten.reshape.default(view_6, [-1, 2, 4])
@@ -146,3 +145,97 @@ attention_default = hstu.attention.default(reshape_default, reshape_default_1, r
 
     def test_non_causal(self):
         self.assertExpectedInline(self.graph("non_causal"), """attention_default = hstu.attention.default(arg1_1, arg2_1, arg3_1, arg0_1, 8, 0.5, None, None, 0, 0, 0, False)""")
+
+    def test_lengths_cat_cumsum(self):
+        self.assertExpectedInline(self.graph("lengths_cat_cumsum"), """\
+cumsum_default = aten.cumsum.default(arg0_1, 0)
+new_zeros_default = aten.new_zeros.default(cumsum_default, [1])
+cat_default = aten.cat.default([new_zeros_default, cumsum_default])
+attention_default = hstu.attention.default(arg1_1, arg2_1, arg3_1, cat_default, 8, 0.5, None, None, 0, 0, 0, True)""")
+
+    def test_lengths_pad_cumsum_mask(self):
+        self.assertExpectedInline(self.graph("lengths_pad_cumsum_mask"), """\
+view = aten.view.default(arg0_1, [17, -1])
+view_2 = aten.view.default(arg3_1, [17, -1])
+view_5 = aten.view.default(arg4_1, [17, -1])
+reshape_default = aten.reshape.default(view, [-1, 2, 4])
+reshape_default_1 = aten.reshape.default(view_2, [-1, 2, 4])
+reshape_default_2 = aten.reshape.default(view_5, [-1, 2, 4])
+cumsum_default = aten.cumsum.default(arg1_1, 0)
+new_zeros_default = aten.new_zeros.default(cumsum_default, [1])
+cat_default = aten.cat.default([new_zeros_default, cumsum_default])
+attention_default = hstu.attention.default(reshape_default, reshape_default_1, reshape_default_2, cat_default, 8, 0.5, arg2_1, None, 0, 0, 0, True)
+reshape_default_3 = aten.reshape.default(attention_default, [-1, 8])
+view_8 = aten.view.default(reshape_default_3, [17, 2, -1])""")
+
+    def test_lengths_fbgemm_cumsum(self):
+        self.assertExpectedInline(self.graph("lengths_fbgemm_cumsum"), """\
+view = aten.view.default(arg0_1, [17, -1])
+view_2 = aten.view.default(arg2_1, [17, -1])
+view_4 = aten.view.default(arg3_1, [17, -1])
+reshape_default = aten.reshape.default(view, [-1, 2, 4])
+reshape_default_1 = aten.reshape.default(view_2, [-1, 2, 4])
+reshape_default_2 = aten.reshape.default(view_4, [-1, 2, 4])
+cumsum_default = aten.cumsum.default(arg1_1, 0)
+new_zeros_default = aten.new_zeros.default(cumsum_default, [1])
+cat_default = aten.cat.default([new_zeros_default, cumsum_default])
+attention_default = hstu.attention.default(reshape_default, reshape_default_1, reshape_default_2, cat_default, 8, 0.5, None, None, 0, 0, 0, True)
+reshape_default_3 = aten.reshape.default(attention_default, [-1, 8])
+view_11 = aten.view.default(reshape_default_3, [17, 2, -1])""")
+
+    def test_uvqk_split_padded(self):
+        self.assertExpectedInline(self.graph("uvqk_split_padded"), """\
+slice_tensor = aten.slice.Tensor(arg0_1, 1, 16, 24)
+reshape_default = aten.reshape.default(slice_tensor, [-1, 2, 4])
+slice_tensor_1 = aten.slice.Tensor(arg0_1, 1, 24, 32)
+reshape_default_1 = aten.reshape.default(slice_tensor_1, [-1, 2, 4])
+slice_tensor_2 = aten.slice.Tensor(arg0_1, 1, 8, 16)
+reshape_default_2 = aten.reshape.default(slice_tensor_2, [-1, 2, 4])
+attention_default = hstu.attention.default(reshape_default, reshape_default_1, reshape_default_2, arg1_1, 8, 0.5, None, None, 0, 0, 0, True)""")
+
+    def test_uvqk_slices_matmul(self):
+        self.assertExpectedInline(self.graph("uvqk_slices_matmul"), """\
+slice_tensor = aten.slice.Tensor(arg0_1, 1, 16, 24)
+reshape_default = aten.reshape.default(slice_tensor, [-1, 2, 4])
+slice_tensor_1 = aten.slice.Tensor(arg0_1, 1, 24, 32)
+reshape_default_1 = aten.reshape.default(slice_tensor_1, [-1, 2, 4])
+slice_tensor_2 = aten.slice.Tensor(arg0_1, 1, 8, 16)
+reshape_default_2 = aten.reshape.default(slice_tensor_2, [-1, 2, 4])
+attention_default = hstu.attention.default(reshape_default, reshape_default_1, reshape_default_2, arg1_1, 8, 0.5, None, None, 0, 0, 0, True)""")
+
+    def test_row_scale_after_pv(self):
+        self.assertExpectedInline(self.graph("row_scale_after_pv"), """attention_default = hstu.attention.default(arg1_1, arg2_1, arg3_1, arg0_1, 8, 0.5, None, arg4_1, 0, 0, 0, True)""")
+
+    def test_inv_n_after_pv(self):
+        self.assertExpectedInline(self.graph("inv_n_after_pv"), """\
+mul_tensor = aten.mul.Tensor(arg4_1, 0.125)
+attention_default = hstu.attention.default(arg0_1, arg2_1, arg3_1, arg1_1, 8, 0.5, None, mul_tensor, 0, 0, 0, True)""")
+
+    def test_nested_masked_select(self):
+        self.assertExpectedInline(self.graph("nested_masked_select"), """\
+attention_default = hstu.attention.default(arg0_1, arg2_1, arg3_1, arg1_1, 8, 0.5, None, None, 0, 0, 0, True)
+reshape_default = aten.reshape.default(attention_default, [-1, 8])
+sym_size_int = aten.sym_size.int(attention_default, 0)
+arange_start = aten.arange.start(0, sym_size_int)
+searchsorted_tensor = aten.searchsorted.Tensor(arg1_1, arange_start)
+sub_tensor = aten.sub.Tensor(searchsorted_tensor, 1)
+index_tensor = aten.index.Tensor(arg1_1, [sub_tensor])
+sub_tensor_1 = aten.sub.Tensor(arange_start, index_tensor)
+mul_tensor = aten.mul.Tensor(sub_tensor, 8)
+add_tensor = aten.add.Tensor(mul_tensor, sub_tensor_1)
+sym_size_int_1 = aten.sym_size.int(arg1_1, 0)
+sub_7 = sub(sym_size_int_1, 1)
+mul_1 = mul(sub_7, 8)
+new_zeros_default = aten.new_zeros.default(reshape_default, [mul_1, 8])
+index_put_default = aten.index_put.default(new_zeros_default, [add_tensor], reshape_default)
+reshape_default_1 = aten.reshape.default(index_put_default, [-1, 8, 8])
+slice_10 = aten.slice.Tensor(arg1_1, 0, 1, 9223372036854775807)
+slice_11 = aten.slice.Tensor(arg1_1, 0, 0, -1)
+sub_6 = aten.sub.Tensor(slice_10, slice_11)
+arange_6 = aten.arange.default(8)
+unsqueeze_4 = aten.unsqueeze.default(arange_6, 0)
+unsqueeze_5 = aten.unsqueeze.default(unsqueeze_4, 2)
+unsqueeze_6 = aten.unsqueeze.default(sub_6, 1)
+unsqueeze_7 = aten.unsqueeze.default(unsqueeze_6, 2)
+lt = aten.lt.Tensor(unsqueeze_5, unsqueeze_7)
+expand = aten.expand.default(lt, [5, 8, 8])""")
