@@ -239,55 +239,35 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _split_silu_kernel(P, U, V, Q, K, L, stride_p, UD, QD, SILU_ALL: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One tile of the projection ``[L, 2UD + 2QD]`` -> its slices of u (silu), v, q, k."""
+def _cols_silu_kernel(SRC, DST, L, W, stride_src, stride_dst, SILU: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``DST[:, :W] = f(SRC[:, :W])`` with ``f`` = silu or identity. One launch per u/v/q/k segment:
+    a plain strided 2-D copy whose column range is contiguous (vectorised loads/stores); one
+    kernel indexing all four segments with per-lane masks took 0.9 ms per call on H100 at
+    L=62k, width 2048 (~5x its memory time)."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    rmask = rows < L
-    width = 2 * (UD + QD)
-    p = tl.load(P + rows * stride_p + cols, mask=rmask & (cols < width), other=0.0).to(tl.float32)
-    s = p * _sigmoid(p)
-    if not SILU_ALL:
-        s = tl.where(cols < UD, s, p)
-    # every column belongs to exactly one segment; offsets are clamped so masked lanes stay in range
-    e1, e2, e3 = UD, 2 * UD, 2 * UD + QD
-    tl.store(U + rows * UD + cols, s.to(U.dtype.element_ty), mask=rmask & (cols < e1))
-    tl.store(V + rows * UD + tl.maximum(cols - e1, 0), s.to(V.dtype.element_ty),
-             mask=rmask & (cols >= e1) & (cols < e2))
-    tl.store(Q + rows * QD + tl.maximum(cols - e2, 0), s.to(Q.dtype.element_ty),
-             mask=rmask & (cols >= e2) & (cols < e3))
-    tl.store(K + rows * QD + tl.maximum(cols - e3, 0), s.to(K.dtype.element_ty),
-             mask=rmask & (cols >= e3) & (cols < width))
+    m = (rows < L) & (cols < W)
+    p = tl.load(SRC + rows * stride_src + cols, mask=m, other=0.0)
+    if SILU:
+        z = p.to(tl.float32)
+        p = z * _sigmoid(z)
+    tl.store(DST + rows * stride_dst + cols, p.to(DST.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _uvqk_grad_kernel(DU, DV, DQ, DK, PRE, DP, L, stride_du, stride_dv, stride_dq, stride_dk, stride_pre,
-                      stride_dp, UD, QD, SILU_ALL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``d_uvqk = cat(du, dv, dq, dk)`` with the silu backward (``PRE``: pre-activations, all of
-    ``[L, width]`` when SILU_ALL else only the u columns ``[L, UD]``)."""
+def _cols_silu_grad_kernel(G, PRE, DST, L, W, stride_g, stride_pre, stride_dst, SILU: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``DST[:, :W] = G * silu'(PRE)`` (SILU) or ``G``: one segment of ``d_uvqk``."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    rmask = rows < L
-    e1, e2, e3 = UD, 2 * UD, 2 * UD + QD
-    width = 2 * (UD + QD)
-    m_u = rmask & (cols < e1)
-    g = tl.load(DU + rows * stride_du + cols, mask=m_u, other=0.0).to(tl.float32)
-    g += tl.load(DV + rows * stride_dv + tl.maximum(cols - e1, 0), mask=rmask & (cols >= e1) & (cols < e2),
-                 other=0.0).to(tl.float32)
-    g += tl.load(DQ + rows * stride_dq + tl.maximum(cols - e2, 0), mask=rmask & (cols >= e2) & (cols < e3),
-                 other=0.0).to(tl.float32)
-    g += tl.load(DK + rows * stride_dk + tl.maximum(cols - e3, 0), mask=rmask & (cols >= e3) & (cols < width),
-                 other=0.0).to(tl.float32)
-    if SILU_ALL:
-        z = tl.load(PRE + rows * stride_pre + cols, mask=rmask & (cols < width), other=0.0).to(tl.float32)
-    else:
-        z = tl.load(PRE + rows * stride_pre + cols, mask=m_u, other=0.0).to(tl.float32)
-    sg = _sigmoid(z)
-    dg = g * (sg * (1.0 + z * (1.0 - sg)))
-    if not SILU_ALL:
-        dg = tl.where(cols < UD, dg, g)
-    tl.store(DP + rows * stride_dp + cols, dg.to(DP.dtype.element_ty), mask=rmask & (cols < width))
+    m = (rows < L) & (cols < W)
+    g = tl.load(G + rows * stride_g + cols, mask=m, other=0.0)
+    if SILU:
+        z = tl.load(PRE + rows * stride_pre + cols, mask=m, other=0.0).to(tl.float32)
+        sg = _sigmoid(z)
+        g = g.to(tl.float32) * (sg * (1.0 + z * (1.0 - sg)))
+    tl.store(DST + rows * stride_dst + cols, g.to(DST.dtype.element_ty), mask=m)
 
 
 def _ew_tile(width: int):
@@ -296,31 +276,41 @@ def _ew_tile(width: int):
     return br, bc
 
 
+def _segments(u_dim: int, qk_dim: int):
+    """Column offsets and widths of u, v, q, k in the projection output."""
+    widths = (u_dim, u_dim, qk_dim, qk_dim)
+    return [(sum(widths[:i]), w) for i, w in enumerate(widths)]
+
+
 def split_silu(uvqk, u_dim: int, qk_dim: int, silu_all: bool):
     """``(silu(u), v, q, k)`` (silu on all four with ``silu_all``), each a new contiguous tensor."""
     uvqk = _rowmajor(uvqk)
     L = uvqk.shape[0]
-    u = new_tensor((L, u_dim), uvqk.dtype, uvqk.device)
-    v = new_tensor((L, u_dim), uvqk.dtype, uvqk.device)
-    q = new_tensor((L, qk_dim), uvqk.dtype, uvqk.device)
-    k = new_tensor((L, qk_dim), uvqk.dtype, uvqk.device)
-    br, bc = _ew_tile(uvqk.shape[1])
-    launch(_split_silu_kernel, (triton.cdiv(L, br), triton.cdiv(uvqk.shape[1], bc)), uvqk, u, v, q, k, L,
-           uvqk.stride(0), u_dim, qk_dim, SILU_ALL=silu_all, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
-    return u, v, q, k
+    outs = []
+    for i, (c0, w) in enumerate(_segments(u_dim, qk_dim)):
+        out = new_tensor((L, w), uvqk.dtype, uvqk.device)
+        src = uvqk[:, c0:c0 + w]
+        br, bc = _ew_tile(w)
+        launch(_cols_silu_kernel, (triton.cdiv(L, br), triton.cdiv(w, bc)), src, out, L, w, src.stride(0),
+               out.stride(0), SILU=silu_all or i == 0, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
+        outs.append(out)
+    return tuple(outs)
 
 
 def uvqk_grad(du, dv, dq, dk, pre, silu_all: bool):
-    """The gradient of the projection output ``[L, 2(UD+QD)]`` (dtype of ``du``)."""
+    """The gradient of the projection output ``[L, 2(UD+QD)]`` (dtype of ``du``); ``pre`` holds the
+    pre-activations of all columns (``silu_all``) or only of the u columns."""
     du, dv, dq, dk, pre = (_rowmajor(t) for t in (du, dv, dq, dk, pre))
     L, UD = du.shape
     QD = dq.shape[1]
-    width = 2 * (UD + QD)
-    dp = new_tensor((L, width), du.dtype, du.device)
-    br, bc = _ew_tile(width)
-    launch(_uvqk_grad_kernel, (triton.cdiv(L, br), triton.cdiv(width, bc)), du, dv, dq, dk, pre, dp, L,
-           du.stride(0), dv.stride(0), dq.stride(0), dk.stride(0), pre.stride(0), dp.stride(0), UD, QD,
-           SILU_ALL=silu_all, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
+    dp = new_tensor((L, 2 * (UD + QD)), du.dtype, du.device)
+    for i, ((c0, w), g) in enumerate(zip(_segments(UD, QD), (du, dv, dq, dk))):
+        silu = silu_all or i == 0
+        z = pre[:, c0:c0 + w] if silu_all else pre
+        dst = dp[:, c0:c0 + w]
+        br, bc = _ew_tile(w)
+        launch(_cols_silu_grad_kernel, (triton.cdiv(L, br), triton.cdiv(w, bc)), g, z, dst, L, w, g.stride(0),
+               z.stride(0), dst.stride(0), SILU=silu, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
     return dp
 
 

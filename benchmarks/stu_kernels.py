@@ -1,0 +1,116 @@
+"""Time the STU block kernels against what Inductor generates for the same ATen code.
+
+    python benchmarks/stu_kernels.py [--rows 62000] [--width 512]
+
+Each line: microseconds (``do_bench`` median) and effective GB/s (bytes each must move once).
+Tile variants of the reducing backward kernels are timed too, to pick their defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from hstu_inductor.kernels import norms  # noqa: E402
+from hstu_inductor.kernels import stu_blocks as SB  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def us(fn):
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def line(name, t, nbytes):
+    print(f"  {name:55s} {t:8.1f} us  {nbytes / (t * 1e-6) / 1e9:7.0f} GB/s", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=62000)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--groups", type=int, nargs="+", default=[1, 4])
+    args = ap.parse_args()
+    L, C, dt, dev = args.rows, args.width, torch.bfloat16, "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    x, dy, u = (torch.randn(L, C, device=dev, dtype=dt, generator=g) for _ in range(3))
+    w, b = (torch.randn(C, device=dev, generator=g) for _ in range(2))
+    e = x.element_size()
+    orig_tile, orig_parts = norms.tile, norms.num_partials
+    for G in args.groups:
+        print(f"rows={L} C={C} groups={G} bf16")
+        _, mean, rstd = norms.norm_fwd(x, w, b, 1e-6, G)
+
+        def ind_fwd(x, w, b):
+            x32 = x.float()
+            if G == 1:
+                return F.layer_norm(x32, (C,), w, b, 1e-6).to(x.dtype)
+            return F.group_norm(x32, G, w, b, 1e-6).to(x.dtype)
+
+        cf = torch.compile(ind_fwd)
+        line("norm fwd: ours", us(lambda: norms.norm_fwd(x, w, b, 1e-6, G)), 2 * L * C * e)
+        line("norm fwd: inductor", us(lambda: cf(x, w, b)), 2 * L * C * e)
+
+        def ind_bwd(dy, x, mean, rstd, w):
+            x32 = x.float()
+            if G == 1:
+                return aten.native_layer_norm_backward(dy.float(), x32, [C], mean.view(L, 1), rstd.view(L, 1), w,
+                                                       None, [True, True, False])
+            return aten.native_group_norm_backward(dy.float(), x32, mean, rstd, w, L, C, 1, G, [True, True, False])
+
+        cb = torch.compile(ind_bwd)
+        line("norm bwd: inductor", us(lambda: cb(dy, x, mean, rstd, w)), 3 * L * C * e)
+        for br, warps, parts in ((None, None, None), (1, 4, 4), (2, 4, 4), (4, 4, 4), (4, 8, 4), (8, 8, 4),
+                                 (2, 4, 8), (4, 4, 8), (1, 4, 8), (1, 2, 8)):
+            if br is not None:
+                norms.tile = lambda C_, G_, rows_target=4096, br=br, warps=warps: (
+                    br, orig_tile(C_, G_)[1], orig_tile(C_, G_)[2], warps)
+                norms.num_partials = lambda d, parts=parts: parts * torch.cuda.get_device_properties(0).multi_processor_count
+            try:
+                line(f"norm bwd: ours tile={br or 'default'} warps={warps or 'default'} parts={parts or 2}xSM",
+                     us(lambda: norms.norm_bwd(dy, x, w, mean, rstd, G)), 3 * L * C * e)
+            finally:
+                norms.tile, norms.num_partials = orig_tile, orig_parts
+        # output block: y = u * Norm(attn) and its backward
+        line("out fwd (y): ours", us(lambda: SB.output_y(x, u, w, b, 1e-6, G, False)), 3 * L * C * e)
+
+        def ind_out(a, u, w, b):
+            return u * ind_fwd(a, w, b)
+
+        co = torch.compile(ind_out)
+        line("out fwd (y): inductor", us(lambda: co(a=x, u=u, w=w, b=b)), 3 * L * C * e)
+        for br, warps, parts in ((None, None, None), (1, 4, 8), (2, 4, 8), (2, 8, 4), (4, 8, 4)):
+            if br is not None:
+                SB.tile = lambda C_, G_, rows_target=4096, br=br, warps=warps: (
+                    br, orig_tile(C_, G_)[1], orig_tile(C_, G_)[2], warps)
+                SB.num_partials = lambda d, parts=parts: parts * torch.cuda.get_device_properties(0).multi_processor_count
+            try:
+                line(f"out bwd: ours tile={br or 'default'} warps={warps or 'default'} parts={parts or 2}xSM",
+                     us(lambda: SB.output_y_bwd(dy, x, u, w, b, mean, rstd, G, False)), 5 * L * C * e)
+            finally:
+                SB.tile, SB.num_partials = orig_tile, orig_parts
+        xr, ur = (t.detach().requires_grad_() for t in (x, u))
+        outc = co(xr, ur, w, b)
+        line("out bwd: inductor (autograd of the fwd)",
+             us(lambda: torch.autograd.grad(outc, (xr, ur), dy, retain_graph=True)), 5 * L * C * e)
+    # preprocess split + silu over [L, 4 * 4 * 128]
+    width = 2048
+    p = torch.randn(L, width, device=dev, dtype=dt, generator=g)
+    line("split+silu: ours", us(lambda: SB.split_silu(p, 512, 512, False)), 2 * L * width * e)
+
+    def ind_split(p):
+        uu, vv, qq, kk = torch.split(p, [512, 512, 512, 512], dim=1)
+        return F.silu(uu).contiguous(), vv.contiguous(), qq.contiguous(), kk.contiguous()
+
+    cs = torch.compile(ind_split)
+    line("split+silu: inductor", us(lambda: cs(p)), 2 * L * width * e)
+
+
+if __name__ == "__main__":
+    main()
