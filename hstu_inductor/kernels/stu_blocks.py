@@ -21,12 +21,13 @@ All tensors are ``[rows, channels]`` with a contiguous last dim (host wrappers m
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ..reference.dropout import keep_threshold
-from .common import interpret, launch, new_tensor
-from .norms import (norm_bwd, norm_fwd, normalize, normalize_grad, num_partials, row_tile, supported_channels, tile,
+from .common import launch, new_tensor
+from .norms import (bwd_tile, norm_bwd, norm_fwd, normalize, normalize_grad, num_partials, row_tile, supported_channels, tile,
                     xhat_from_stats)
 from .rng import keep, seed_keys
 
@@ -194,7 +195,7 @@ def output_y_bwd(d_y, attn, u, norm_weight, norm_bias, mean, rstd, groups: int, 
     P = num_partials(attn.device)
     dw_part = torch.empty((P, C), dtype=torch.float32, device=attn.device) if need_dw else None
     db_part = torch.empty((P, C), dtype=torch.float32, device=attn.device) if need_db else None
-    br, bg, bd, warps = tile(C, G, rows_target=2048)
+    br, bg, bd, warps = bwd_tile(C, G)
     launch(_out_bwd_kernel, (P,), d_y, attn, u, norm_weight, norm_bias, mean, rstd, seed_t, d_attn, d_u, dw_part,
            db_part, L, d_y.stride(0), attn.stride(0), u.stride(0), d_attn.stride(0), d_u.stride(0), G, C // G,
            triton.cdiv(L, br), thresh, scale, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None,
@@ -233,85 +234,21 @@ def stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, groups, weight
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _sigmoid(z):
-    return 1.0 / (1.0 + tl.exp(-z))
-
-
-@triton.jit
-def _cols_silu_kernel(SRC, DST, L, W, stride_src, stride_dst, SILU: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``DST[:, :W] = f(SRC[:, :W])`` with ``f`` = silu or identity. One launch per u/v/q/k segment:
-    a plain strided 2-D copy whose column range is contiguous (vectorised loads/stores); one
-    kernel indexing all four segments with per-lane masks took 0.9 ms per call on H100 at
-    L=62k, width 2048 (~5x its memory time)."""
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    m = (rows < L) & (cols < W)
-    p = tl.load(SRC + rows * stride_src + cols, mask=m, other=0.0)
-    if SILU:
-        z = p.to(tl.float32)
-        p = z * _sigmoid(z)
-    tl.store(DST + rows * stride_dst + cols, p.to(DST.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _cols_silu_grad_kernel(G, PRE, DST, L, W, stride_g, stride_pre, stride_dst, SILU: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``DST[:, :W] = G * silu'(PRE)`` (SILU) or ``G``: one segment of ``d_uvqk``."""
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    m = (rows < L) & (cols < W)
-    g = tl.load(G + rows * stride_g + cols, mask=m, other=0.0)
-    if SILU:
-        z = tl.load(PRE + rows * stride_pre + cols, mask=m, other=0.0).to(tl.float32)
-        sg = _sigmoid(z)
-        g = g.to(tl.float32) * (sg * (1.0 + z * (1.0 - sg)))
-    tl.store(DST + rows * stride_dst + cols, g.to(DST.dtype.element_ty), mask=m)
-
-
-def _ew_tile(width: int):
-    bc = min(triton.next_power_of_2(int(width)), 32 if interpret() else 256)
-    br = 4 if interpret() else max(1, 4096 // bc)
-    return br, bc
-
-
-def _segments(u_dim: int, qk_dim: int):
-    """Column offsets and widths of u, v, q, k in the projection output."""
-    widths = (u_dim, u_dim, qk_dim, qk_dim)
-    return [(sum(widths[:i]), w) for i, w in enumerate(widths)]
-
-
+# The split + silu of the projection and its gradient are plain ATen on purpose: inside the
+# triton_op, Inductor fuses them into its own copy kernels, which measured 187 us against 368 us
+# for our per-segment Triton copies (H100, L=62k, width 2048, bf16; benchmarks/stu_kernels.py).
 def split_silu(uvqk, u_dim: int, qk_dim: int, silu_all: bool):
     """``(silu(u), v, q, k)`` (silu on all four with ``silu_all``), each a new contiguous tensor."""
-    uvqk = _rowmajor(uvqk)
-    L = uvqk.shape[0]
-    outs = []
-    for i, (c0, w) in enumerate(_segments(u_dim, qk_dim)):
-        out = new_tensor((L, w), uvqk.dtype, uvqk.device)
-        src = uvqk[:, c0:c0 + w]
-        br, bc = _ew_tile(w)
-        launch(_cols_silu_kernel, (triton.cdiv(L, br), triton.cdiv(w, bc)), src, out, L, w, src.stride(0),
-               out.stride(0), SILU=silu_all or i == 0, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
-        outs.append(out)
-    return tuple(outs)
+    u, v, q, k = torch.split(F.silu(uvqk) if silu_all else uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=1)
+    return (u if silu_all else F.silu(u)).contiguous(), v.contiguous(), q.contiguous(), k.contiguous()
 
 
 def uvqk_grad(du, dv, dq, dk, pre, silu_all: bool):
-    """The gradient of the projection output ``[L, 2(UD+QD)]`` (dtype of ``du``); ``pre`` holds the
-    pre-activations of all columns (``silu_all``) or only of the u columns."""
-    du, dv, dq, dk, pre = (_rowmajor(t) for t in (du, dv, dq, dk, pre))
-    L, UD = du.shape
-    QD = dq.shape[1]
-    dp = new_tensor((L, 2 * (UD + QD)), du.dtype, du.device)
-    for i, ((c0, w), g) in enumerate(zip(_segments(UD, QD), (du, dv, dq, dk))):
-        silu = silu_all or i == 0
-        z = pre[:, c0:c0 + w] if silu_all else pre
-        dst = dp[:, c0:c0 + w]
-        br, bc = _ew_tile(w)
-        launch(_cols_silu_grad_kernel, (triton.cdiv(L, br), triton.cdiv(w, bc)), g, z, dst, L, w, g.stride(0),
-               z.stride(0), dst.stride(0), SILU=silu, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
-    return dp
+    """The gradient of the projection output ``[L, 2(UD+QD)]``; ``pre`` holds the pre-activations of
+    all columns (``silu_all``) or only of the u columns."""
+    if silu_all:
+        return torch.ops.aten.silu_backward(torch.cat([du, dv, dq, dk], dim=1), pre)
+    return torch.cat([torch.ops.aten.silu_backward(du, pre), dv, dq, dk], dim=1)
 
 
 def _linear(inp, weight, bias):

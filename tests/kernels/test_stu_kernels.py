@@ -470,8 +470,12 @@ def test_gpu_stu_output(dtype, groups, concat, p):
         assert rel_err(a, r.grad) < GTOL[dtype], name
     if p > 0:  # the GPU mask is the CPU torch mask, bit for bit
         y, _, _ = K.output_y(attn.detach(), u.detach(), None, None, 1e-5, groups, concat, p, seed)
+        y0, _, _ = K.output_y(attn.detach(), u.detach(), None, None, 1e-5, groups, concat)
         keep = dropout_keep_mask(seed.cpu(), y.shape, p)
-        assert torch.equal((y != 0).cpu(), keep)
+        # compare where the undropped value is nonzero: randn yields a few exact zeros at this size
+        nz = (y0 != 0).cpu()
+        assert nz.float().mean() > 0.999
+        assert torch.equal((y != 0).cpu()[nz], keep[nz])
         assert _binomial_ok(int(keep.sum()), keep.numel(), p)
 
 
