@@ -10,7 +10,7 @@ from torch.library import wrap_triton
 
 from .._compat import plain_eager
 
-__all__ = ["interpret", "launcher", "launch", "new_tensor"]
+__all__ = ["interpret", "launcher", "launch", "new_tensor", "rowmajor"]
 
 # Test hook: fill freshly allocated kernel outputs with NaN so unwritten elements show up.
 POISON_OUTPUTS = False
@@ -39,3 +39,8 @@ def new_tensor(shape, dtype, device):
     if POISON_OUTPUTS:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def rowmajor(t):
+    """``t`` with a contiguous last dimension (the kernels index rows by stride, columns densely)."""
+    return t if t.stride(-1) == 1 else t.contiguous()

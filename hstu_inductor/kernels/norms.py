@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpret, launch, new_tensor
+from .common import interpret, launch, new_tensor, rowmajor
 
 __all__ = ["norm_fwd", "norm_bwd", "supported_channels"]
 
@@ -178,13 +178,9 @@ def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, L, stride_dy, s
 # --------------------------------------------------------------------------------------------
 
 
-def _rowmajor(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def norm_fwd(x, weight, bias, eps: float, groups: int = 1):
     """``(y [L, C] in x.dtype, mean [L, G] fp32, rstd [L, G] fp32)``."""
-    x = _rowmajor(x)
+    x = rowmajor(x)
     L, C = x.shape
     G = max(groups, 1)
     D = C // G
@@ -201,7 +197,7 @@ def norm_fwd(x, weight, bias, eps: float, groups: int = 1):
 def norm_bwd(dy, x, weight, mean, rstd, groups: int = 1, need_dw: bool = True, need_db: bool = True):
     """``(dx in x.dtype, dweight fp32 or None, dbias fp32 or None)``; the reductions over rows are
     per-program fp32 partials summed afterwards."""
-    dy, x = _rowmajor(dy), _rowmajor(x)
+    dy, x = rowmajor(dy), rowmajor(x)
     L, C = x.shape
     G = max(groups, 1)
     D = C // G

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..reference.dropout import keep_threshold
-from .common import launch, new_tensor
+from .common import launch, new_tensor, rowmajor
 from .norms import (bwd_tile, norm_bwd, norm_fwd, normalize, normalize_grad, num_partials, row_tile, supported_channels, tile,
                     xhat_from_stats)
 from .rng import keep, seed_keys
@@ -149,10 +149,6 @@ def _out_bwd_kernel(DYC, A, U, W, B, MEAN, RSTD, SEED, DA, DU, DW_PART, DB_PART,
         tl.store(DB_PART + pid * C + ch0, acc_db[None, :, :], mask=cmask)
 
 
-def _rowmajor(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _dropout_args(dropout_p: float, seed, device):
     if dropout_p <= 0.0:
         return False, None, 0, 1.0
@@ -165,7 +161,7 @@ def output_y(attn, u, norm_weight, norm_bias, eps: float, groups: int, concat_ua
              seed=None):
     """The projection input ``drop(u * Norm(attn))`` (or ``drop([u, attn, u * Norm(attn)])``) in
     attn's dtype, plus fp32 ``mean, rstd [L, G]``."""
-    attn, u = _rowmajor(attn), _rowmajor(u)
+    attn, u = rowmajor(attn), rowmajor(u)
     L, C = attn.shape
     G = max(groups, 1)
     drop, seed_t, thresh, scale = _dropout_args(dropout_p, seed, attn.device)
@@ -184,7 +180,7 @@ def output_y_bwd(d_y, attn, u, norm_weight, norm_bias, mean, rstd, groups: int, 
                  dropout_p: float = 0.0, seed=None, need_dw: bool = True, need_db: bool = True):
     """``(d_attn, d_u, d_norm_weight fp32 | None, d_norm_bias fp32 | None)`` from the gradient of the
     projection input (shape of :func:`output_y`'s result)."""
-    d_y, attn, u = _rowmajor(d_y), _rowmajor(attn), _rowmajor(u)
+    d_y, attn, u = rowmajor(d_y), rowmajor(attn), rowmajor(u)
     L, C = attn.shape
     G = max(groups, 1)
     drop, seed_t, thresh, scale = _dropout_args(dropout_p, seed, attn.device)
