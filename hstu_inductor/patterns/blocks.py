@@ -542,9 +542,11 @@ _PROBE_ROWS = 6
 _PROBE_TOL = {torch.float64: 1e-9, torch.float32: 2e-4, torch.float16: 3e-2, torch.bfloat16: 5e-2}
 
 
-def _probe(inputs: list, row_inputs: set, outputs: list, op_fn: Callable, rows) -> Optional[str]:
+def _probe(inputs: list, row_inputs: set, outputs: list, op_fn: Callable, rows,
+           passthrough: Optional[dict] = None) -> Optional[str]:
     """None when the subgraph ``inputs -> outputs`` equals ``op_fn(*probe_inputs)`` (a list of
     tensors, reshaped to the outputs' shapes) on random data; otherwise the reason.
+    ``passthrough`` maps nodes to evaluate as their given source (a dropout taken as identity).
 
     ``rows`` is the row count L (int or SymInt). Static L: the probe uses ``min(L, 6)`` rows and
     substitutes the row count in the few row-carrying args of the copied nodes (group norm N,
@@ -575,12 +577,16 @@ def _probe(inputs: list, row_inputs: set, outputs: list, op_fn: Callable, rows) 
     def fix_rows(v):
         return Lp if (L_static is not None and isinstance(v, int) and v == L_static) else v
 
+    passthrough = passthrough or {}
     input_set = {id(n): i for i, n in enumerate(inputs)}
     order = _order(outputs[0].graph)
     closure, stack = {}, list(outputs)
     while stack:
         n = stack.pop()
         if id(n) in input_set or n in closure:
+            continue
+        if n in passthrough:
+            stack.append(passthrough[n])
             continue
         if isinstance(_val(n), torch.SymInt):
             continue
@@ -599,6 +605,7 @@ def _probe(inputs: list, row_inputs: set, outputs: list, op_fn: Callable, rows) 
 
     def arg(x):
         if isinstance(x, Node):
+            x = passthrough.get(x, x)
             if x in env:
                 return env[x]
             return concrete(_val(x))
@@ -794,13 +801,20 @@ def _y_identity(n: Node) -> Optional[Node]:
 
 
 def _y_training_dropout(n: Node) -> Optional[Node]:
-    """``F.dropout(y, p>0, training=True)`` -> native_dropout: never fused (declined)."""
+    """``F.dropout(y, p, training=True)`` -> ``native_dropout(y, p, True)[0]``: fused into the op's
+    own dropout (same distribution: keep with probability 1-p, scale 1/(1-p); its own RNG stream,
+    as stock Inductor's dropout has too). The mask output must be unused and p a constant."""
     src = _getitem_of(n, 0)
-    if _is(src, aten.native_dropout.default):
-        p = src.args[1]
-        raise Decline(f"{_name(src)}: training dropout (p={p}) between u*Norm(attn) and the projection; "
-                      "stu_output has no dropout, fusing would change RNG semantics")
-    return None
+    if not _is(src, aten.native_dropout.default):
+        return None
+    p, train = src.args[1], src.args[2] if len(src.args) > 2 else src.kwargs.get("train", True)
+    if not isinstance(p, float) or not 0.0 <= p < 1.0:
+        raise Decline(f"{_name(src)}: training dropout with a non-constant or invalid p ({p})")
+    if any(u is not n for u in src.users) or len(n.users) != 1:
+        raise Decline(f"{_name(src)}: the dropout mask or output has other users")
+    if train is False:
+        raise Decline(f"{_name(src)}: native_dropout(train=False) is not a spelling we model")
+    return src.args[0]
 
 
 Y_WRAPPER_SPELLINGS: dict[str, Callable] = {
@@ -847,12 +861,17 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
     where = _name(add)
     y = proj.inp
     wrappers = []
+    dropout = None  # (getitem node of native_dropout, its input, p)
     candidate = _norm_nearby(y)
     try:
         while True:
             for name, fn in Y_WRAPPER_SPELLINGS.items():
                 inner = fn(y)
                 if inner is not None:
+                    if name == "dropout(train)":
+                        if dropout is not None:
+                            raise Decline(f"{where}: two training dropouts before the projection")
+                        dropout = (y, inner, float(y.args[0].args[1]))
                     wrappers.append(name)
                     y = inner
                     break
@@ -929,20 +948,33 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
     probe_inputs = [a, u, x, norm.weight, norm.bias, proj.weight, proj.bias]
     if len({id(n) for n in (a, u, x)}) != 3:
         raise Decline(f"{where}: attn, u and the residual are not three distinct tensors")
-    reason = _probe(probe_inputs, {a, u, x}, [add], op_fn, av.shape[0])
+    # The probe proves everything but the dropout itself (random by nature): it is taken as the
+    # identity here and becomes the op's dropout with the same p below.
+    passthrough = {dropout[0]: dropout[1]} if dropout is not None else {}
+    reason = _probe(probe_inputs, {a, u, x}, [add], op_fn, av.shape[0], passthrough)
     if reason is not None:
         raise Decline(f"{where}: numeric probe: {reason}")
 
     with graph.inserting_before(add):
         w = proj.weight if proj.linear_layout else _call(graph, aten.t.default, [proj.weight])
+        extra = []
+        if dropout is not None and dropout[2] > 0.0:
+            # one seed per call from torch's generator (Inductor's RNG when compiled): reproducible
+            # under torch.manual_seed; the backward regenerates the mask from it
+            seed = graph.call_function(aten.randint.low, (-2 ** 62, 2 ** 62, []),
+                                       {"dtype": torch.int64, "device": av.device})
+            if hasattr(av, "fake_mode"):
+                with av.fake_mode:
+                    seed.meta["val"] = torch.empty((), dtype=torch.int64, device=av.device)
+            extra = [dropout[2], seed]
         op = _call(graph, torch.ops.hstu.stu_output.default,
-                   [a, u, x, norm.weight, norm.bias, norm.eps, norm.groups, w, proj.bias, is_concat])
+                   [a, u, x, norm.weight, norm.bias, norm.eps, norm.groups, w, proj.bias, is_concat, *extra])
     add.replace_all_uses_with(op)
     spelling = f"u*{norm.spelling}(attn)" if mul.args[0] is u else f"{norm.spelling}(attn)*u"
     if is_concat:
         spelling = f"cat[u, attn, {spelling}]"
     for wname in wrappers:
-        spelling += f" -> {wname}"
+        spelling += f" -> {wname}" if wname != "dropout(train)" else f" -> dropout(train, p={dropout[2]})"
     spelling += f" -> {proj.spelling} -> + x"
     report.counts["output"] += 1
     report.details.append(("output", spelling))

@@ -40,11 +40,20 @@ class TestReferenceModel(TestCase):
                 m.eval()
                 check_compiled(m, *_batch([4, 2], seed=1), N, train=False, counts={"preprocess": 1, "output": 1})
 
-    def test_stu_layer_training_dropout_is_a_near_miss(self):
+    def test_stu_layer_training_dropout_is_rewritten(self):
+        """Output dropout in training becomes the op's seeded dropout (its values and gradients are
+        checked in test_blocks_output.TestOutputTrainingDropout); eval mode stays eager-equal."""
         m = _layer(dropout_ratio=0.2)
         graphs, rep = rewritten(m, *_batch([3, 5]), N)
-        self.assertEqual((rep.counts["preprocess"], rep.counts["output"]), (1, 0))
-        self.assertTrue(any("training dropout" in r for k, r in rep.near_misses if k == "output"))
+        self.assertEqual((rep.counts["preprocess"], rep.counts["output"]), (1, 1), rep.near_misses)
+        self.assertTrue(any("dropout(train, p=0.2)" in d for k, d in rep.details if k == "output"))
+        x, off = _batch([3, 5])
+        torch._dynamo.reset()
+        cm = torch.compile(m, backend="hstu")
+        torch.manual_seed(3)
+        a = cm(x, off, N)
+        torch.manual_seed(3)
+        self.assertTrue(torch.equal(a, cm(x, off, N)))
         m.eval()
         check_compiled(m, *_batch([3, 5]), N, train=False, counts={"preprocess": 1, "output": 1})
 
