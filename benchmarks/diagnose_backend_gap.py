@@ -26,12 +26,17 @@ from hstu_inductor.kernels import attention as K
 from hstu_inductor.reference import hstu_mha
 
 
-def make_inputs(N, B, H, D, grad):
+def make_inputs(N, B, H, D, grad, strided=False):
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(int(0.9 * N), N, (B,), generator=g)
     off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).cuda()
     L = int(off[-1])
-    q, k, v = (torch.randn(L, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(grad) for _ in range(3))
+    if strided:  # views of one fused projection [L, 4*H*D], as benchmarks/attention.py uses
+        fused = torch.randn(L, 4 * H * D, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (fused[:, i * H * D:(i + 1) * H * D].view(L, H, D).detach().requires_grad_(grad)
+                   for i in (2, 3, 1))
+    else:
+        q, k, v = (torch.randn(L, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(grad) for _ in range(3))
     nt = torch.randint(1, 20, (B,), generator=g).cuda()
     return q, k, v, off, nt
 
@@ -65,6 +70,7 @@ def main():
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--out", default="/tmp/gap")
+    ap.add_argument("--strided", action="store_true", help="q, k, v as views of one fused projection")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     handler = logging.FileHandler(os.path.join(args.out, "launch_log.txt"), mode="w")
@@ -79,7 +85,7 @@ def main():
 
     results = {}
     # ---- inference forward
-    q, k, v, off, nt = make_inputs(N, B, H, D, grad=False)
+    q, k, v, off, nt = make_inputs(N, B, H, D, grad=False, strided=args.strided)
     handler.stream.write("==== direct fwd\n")
     direct = lambda: K.hstu_attention_fwd(q, k, v, off, N, alpha, num_targets=nt)  # noqa: E731
     direct()
@@ -105,7 +111,7 @@ def main():
 
     # ---- training forward + backward
     torch._dynamo.reset()
-    q, k, v, off, nt = make_inputs(N, B, H, D, grad=True)
+    q, k, v, off, nt = make_inputs(N, B, H, D, grad=True, strided=args.strided)
     dout = torch.randn_like(q)
     handler.stream.write("==== direct fwd+bwd\n")
 

@@ -881,7 +881,7 @@ def _tma_ok(t: Optional[torch.Tensor]) -> bool:
     """A [rows, H, D] tensor addressable by per-(sequence, head) 2-D descriptors."""
     if t is None:
         return True
-    from .._compat import known_true
+    from .._compat import guarded
 
     es = t.element_size()
     try:
@@ -889,25 +889,24 @@ def _tma_ok(t: Optional[torch.Tensor]) -> bool:
     except RuntimeError:
         # Fake/functional tensor while torch.compile/AOTI traces the op: allocations are aligned
         # (Inductor copies misaligned graph inputs), so the view's storage offset decides.
-        base_ok = known_true((t.storage_offset() * es) % 16 == 0)
-    return (base_ok and known_true(t.stride(-1) == 1) and known_true((t.stride(0) * es) % 16 == 0)
-            and known_true((t.stride(1) * es) % 16 == 0))
+        base_ok = guarded((t.storage_offset() * es) % 16 == 0)
+    return (base_ok and guarded(t.stride(-1) == 1) and guarded((t.stride(0) * es) % 16 == 0)
+            and guarded((t.stride(1) * es) % 16 == 0))
 
 
 def _use_tma(tma, device, tensors) -> bool:
     if tma is False:
         return False
     ok_dev = tma_supported(device)
-    ok_layout = all(_tma_ok(t) for t in tensors)
     if tma is True:
         if not ok_dev:
             raise RuntimeError(f"hstu attention: tma=True but tensor descriptors are not supported on {device} "
                                "(needs an sm90+ GPU and triton with tl.make_tensor_descriptor)")
-        if not ok_layout:
+        if not all(_tma_ok(t) for t in tensors):
             raise ValueError("hstu attention: tma=True needs 16-byte aligned q/k/v base pointers and row/head "
                              "strides, and a contiguous last dimension")
         return True
-    return ok_dev and ok_layout
+    return ok_dev and all(_tma_ok(t) for t in tensors)  # layout checks (and their guards) only when usable
 
 
 def _alloc_fn(size: int, alignment: int, stream):
