@@ -116,6 +116,30 @@ def normalize_grad(dxhat, xhat, rstd, D):
     return (dxhat - xhat * c1[:, :, None] - c2[:, :, None]) * rstd[:, :, None]
 
 
+@triton.jit
+def affine_norm_grad(dn, xhat, rstd, w, acc_dw, acc_db, D, HAS_W: tl.constexpr, NEED_DW: tl.constexpr,
+                     NEED_DB: tl.constexpr):
+    """``(d x, acc_dw, acc_db)`` for the gradient ``dn`` of ``xhat * w + b``: the input gradient and
+    this tile's row sums added to the per-channel weight/bias partials (``w`` unused without HAS_W)."""
+    if NEED_DW:
+        acc_dw += tl.sum(dn * xhat, axis=0)
+    if NEED_DB:
+        acc_db += tl.sum(dn, axis=0)
+    if HAS_W:
+        dn = dn * w
+    return normalize_grad(dn, xhat, rstd, D), acc_dw, acc_db
+
+
+@triton.jit
+def store_partials(DW_PART, DB_PART, acc_dw, acc_db, pid, C, ch0, cmask, NEED_DW: tl.constexpr,
+                   NEED_DB: tl.constexpr):
+    """Write this program's weight/bias gradient partial rows (summed on the host afterwards)."""
+    if NEED_DW:
+        tl.store(DW_PART + pid * C + ch0, acc_dw[None, :, :], mask=cmask)
+    if NEED_DB:
+        tl.store(DB_PART + pid * C + ch0, acc_db[None, :, :], mask=cmask)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
@@ -150,6 +174,7 @@ def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, L, stride_dy, s
     acc_db = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     # distinct throwaway names: Triton types loop-carried names, '_' is reassigned below
     r0_, ch0, cmask, m0_, r20_, g20_, m20_ = row_tile(0, 1, G, D, 1, BLOCK_G, BLOCK_D)
+    w = 0.0
     if HAS_W:
         w = tl.load(W + ch0, mask=cmask, other=0.0).to(tl.float32)
     for blk in range(pid, n_blocks, n_prog):
@@ -157,20 +182,9 @@ def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, L, stride_dy, s
         x = tl.load(X + rows * stride_x + ch, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows * stride_dy + ch, mask=mask, other=0.0).to(tl.float32)
         xhat, rstd = xhat_from_stats(x, mask, MEAN, RSTD, rows2, g2, mask2, G)
-        if NEED_DW:
-            acc_dw += tl.sum(dy * xhat, axis=0)
-        if NEED_DB:
-            acc_db += tl.sum(dy, axis=0)
-        dxhat = dy
-        if HAS_W:
-            dxhat = dy * w
-        dx = normalize_grad(dxhat, xhat, rstd, D)
+        dx, acc_dw, acc_db = affine_norm_grad(dy, xhat, rstd, w, acc_dw, acc_db, D, HAS_W, NEED_DW, NEED_DB)
         tl.store(DX + rows * stride_dx + ch, dx.to(DX.dtype.element_ty), mask=mask)
-    C = G * D
-    if NEED_DW:
-        tl.store(DW_PART + pid * C + ch0, acc_dw[None, :, :], mask=cmask)
-    if NEED_DB:
-        tl.store(DB_PART + pid * C + ch0, acc_db[None, :, :], mask=cmask)
+    store_partials(DW_PART, DB_PART, acc_dw, acc_db, pid, G * D, ch0, cmask, NEED_DW, NEED_DB)
 
 
 # --------------------------------------------------------------------------------------------

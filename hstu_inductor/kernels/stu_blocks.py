@@ -27,8 +27,8 @@ import triton.language as tl
 
 from ..reference.dropout import keep_threshold
 from .common import launch, new_tensor, rowmajor
-from .norms import (bwd_tile, norm_bwd, norm_fwd, normalize, normalize_grad, num_partials, row_tile, supported_channels, tile,
-                    xhat_from_stats)
+from .norms import (affine_norm_grad, bwd_tile, norm_bwd, norm_fwd, normalize, num_partials, row_tile,
+                    store_partials, supported_channels, tile, xhat_from_stats)
 from .rng import keep, seed_keys
 
 __all__ = ["supported_channels", "output_y", "output_y_bwd", "split_silu", "uvqk_grad", "stu_output_fwd", "stu_output_bwd",
@@ -98,6 +98,7 @@ def _out_bwd_kernel(DYC, A, U, W, B, MEAN, RSTD, SEED, DA, DU, DW_PART, DB_PART,
     acc_db = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     # distinct throwaway names: Triton types loop-carried names, '_' is reassigned below
     r0_, ch0, cmask, m0_, r20_, g20_, m20_ = row_tile(0, 1, G, D, 1, BLOCK_G, BLOCK_D)
+    w = 0.0
     if HAS_W:
         w = tl.load(W + ch0, mask=cmask, other=0.0).to(tl.float32)
     if HAS_B:
@@ -131,22 +132,12 @@ def _out_bwd_kernel(DYC, A, U, W, B, MEAN, RSTD, SEED, DA, DU, DW_PART, DB_PART,
                           rows * C + ch, k1, k2, thresh, scale, DROPOUT)
             du = dy * normed
         dn = dy * u
-        if NEED_DW:
-            acc_dw += tl.sum(dn * xhat, axis=0)
-        if NEED_DB:
-            acc_db += tl.sum(dn, axis=0)
-        dxhat = dn
-        if HAS_W:
-            dxhat = dn * w
-        d_attn = normalize_grad(dxhat, xhat, rstd, D)
+        d_attn, acc_dw, acc_db = affine_norm_grad(dn, xhat, rstd, w, acc_dw, acc_db, D, HAS_W, NEED_DW, NEED_DB)
         if CONCAT:
             d_attn += da
         tl.store(DA + rows * stride_da + ch, d_attn.to(DA.dtype.element_ty), mask=mask)
         tl.store(DU + rows * stride_du + ch, du.to(DU.dtype.element_ty), mask=mask)
-    if NEED_DW:
-        tl.store(DW_PART + pid * C + ch0, acc_dw[None, :, :], mask=cmask)
-    if NEED_DB:
-        tl.store(DB_PART + pid * C + ch0, acc_db[None, :, :], mask=cmask)
+    store_partials(DW_PART, DB_PART, acc_dw, acc_db, pid, C, ch0, cmask, NEED_DW, NEED_DB)
 
 
 def _dropout_args(dropout_p: float, seed, device):
