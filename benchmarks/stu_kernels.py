@@ -31,6 +31,24 @@ def line(name, t, nbytes):
     print(f"  {name:55s} {t:8.1f} us  {nbytes / (t * 1e-6) / 1e9:7.0f} GB/s", flush=True)
 
 
+def tile_variants(label, module, fn, nbytes, variants):
+    """Time ``fn`` with ``module``'s backward tile forced to each ``(rows per step, warps, programs
+    per SM)`` variant; ``None`` is the shipped default (``norms.bwd_tile``/``num_partials``)."""
+    orig_tile, orig_parts = module.bwd_tile, module.num_partials
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for v in variants:
+        name = "default"
+        if v is not None:
+            br, warps, parts = v
+            name = f"tile={br} warps={warps} parts={parts}xSM"
+            module.bwd_tile = lambda C_, G_, br=br, warps=warps: (br, *orig_tile(C_, G_)[1:3], warps)
+            module.num_partials = lambda d, parts=parts: parts * sms
+        try:
+            line(f"{label}: ours {name}", us(fn), nbytes)
+        finally:
+            module.bwd_tile, module.num_partials = orig_tile, orig_parts
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=62000)
@@ -42,7 +60,6 @@ def main():
     x, dy, u = (torch.randn(L, C, device=dev, dtype=dt, generator=g) for _ in range(3))
     w, b = (torch.randn(C, device=dev, generator=g) for _ in range(2))
     e = x.element_size()
-    orig_tile, orig_parts = norms.tile, norms.num_partials
     for G in args.groups:
         print(f"rows={L} C={C} groups={G} bf16")
         _, mean, rstd = norms.norm_fwd(x, w, b, 1e-6, G)
@@ -66,17 +83,9 @@ def main():
 
         cb = torch.compile(ind_bwd)
         line("norm bwd: inductor", us(lambda: cb(dy, x, mean, rstd, w)), 3 * L * C * e)
-        for br, warps, parts in ((None, None, None), (1, 4, 4), (2, 4, 4), (4, 4, 4), (4, 8, 4), (8, 8, 4),
-                                 (2, 4, 8), (4, 4, 8), (1, 4, 8), (1, 2, 8)):
-            if br is not None:
-                norms.tile = lambda C_, G_, rows_target=4096, br=br, warps=warps: (
-                    br, orig_tile(C_, G_)[1], orig_tile(C_, G_)[2], warps)
-                norms.num_partials = lambda d, parts=parts: parts * torch.cuda.get_device_properties(0).multi_processor_count
-            try:
-                line(f"norm bwd: ours tile={br or 'default'} warps={warps or 'default'} parts={parts or 2}xSM",
-                     us(lambda: norms.norm_bwd(dy, x, w, mean, rstd, G)), 3 * L * C * e)
-            finally:
-                norms.tile, norms.num_partials = orig_tile, orig_parts
+        tile_variants("norm bwd", norms, lambda: norms.norm_bwd(dy, x, w, mean, rstd, G), 3 * L * C * e,
+                      (None, (1, 4, 4), (2, 4, 4), (4, 4, 4), (4, 8, 4), (8, 8, 4), (2, 4, 8), (4, 4, 8), (1, 2, 8),
+                       (8, 16, 2)))
         # output block: y = u * Norm(attn) and its backward
         line("out fwd (y): ours", us(lambda: SB.output_y(x, u, w, b, 1e-6, G, False)), 3 * L * C * e)
 
@@ -85,16 +94,8 @@ def main():
 
         co = torch.compile(ind_out)
         line("out fwd (y): inductor", us(lambda: co(a=x, u=u, w=w, b=b)), 3 * L * C * e)
-        for br, warps, parts in ((None, None, None), (1, 4, 8), (2, 4, 8), (2, 8, 4), (4, 8, 4)):
-            if br is not None:
-                SB.tile = lambda C_, G_, rows_target=4096, br=br, warps=warps: (
-                    br, orig_tile(C_, G_)[1], orig_tile(C_, G_)[2], warps)
-                SB.num_partials = lambda d, parts=parts: parts * torch.cuda.get_device_properties(0).multi_processor_count
-            try:
-                line(f"out bwd: ours tile={br or 'default'} warps={warps or 'default'} parts={parts or 2}xSM",
-                     us(lambda: SB.output_y_bwd(dy, x, u, w, b, mean, rstd, G, False)), 5 * L * C * e)
-            finally:
-                SB.tile, SB.num_partials = orig_tile, orig_parts
+        tile_variants("out bwd", SB, lambda: SB.output_y_bwd(dy, x, u, w, b, mean, rstd, G, False), 5 * L * C * e,
+                      (None, (2, 4, 8), (2, 8, 4), (4, 8, 4), (8, 16, 2)))
         xr, ur = (t.detach().requires_grad_() for t in (x, u))
         outc = co(xr, ur, w, b)
         line("out bwd: inductor (autograd of the fwd)",
