@@ -546,6 +546,34 @@ def descriptor_probe(plan, off, lens):
     return (lens if plan.lengths else off).to(_val(plan.offsets).dtype)
 
 
+def score_modes(QL, KL, bkey, fq, axq):
+    """``(batch modes, head_modes, c_modes)`` of a score product with q/k layouts ``QL``/``KL``
+    (full and delta attention): its batch is (sequence, head), no operand broadcasts, it contracts
+    q/k features only, and the head and feature modes tile q's features. Raises Decline."""
+    Z = lay.normalize_dim(QL[0])
+    if [_key(m) for m in Z].count(bkey) != 1 or any(m[1] != "b" and not str(m[1]).startswith("q") for m in Z):
+        raise Decline("score product batch is not (sequence, head)")
+    if any(m[1] is None for d in QL for m in d) or any(m[1] is None for d in KL for m in d):
+        raise Decline("score product broadcasts an operand")
+    c_modes = list(lay.normalize_dim(QL[2]))
+    if any(not str(m[1]).startswith("q") for m in c_modes):
+        raise Decline("score product contracts over something other than features")
+    head_modes = [m for m in Z if m[1] != "b"]
+    _check_tiles(head_modes + c_modes, fq, axq, "score product")
+    return Z, head_modes, c_modes
+
+
+def value_modes(Y, nkey):
+    """Output feature modes of a value product with v layout ``Y`` contracting over the key rows
+    ``nkey``; they must all be value features. Raises Decline."""
+    if len(Y) != 3 or _dimkey(Y[1]) != nkey:
+        raise Decline("value product does not contract over key rows of the padded sequences")
+    e_modes = list(lay.normalize_dim(Y[2]))
+    if any(m[1] is None or not m[1].startswith("v") for m in e_modes) or any(m[1] is None for d in Y for m in d):
+        raise Decline("value product output dims are not value features")
+    return e_modes
+
+
 def analyse(S, pv, lengths=False) -> Plan:
     """Structural part of the proof. Raises Decline. ``lengths``: read the jagged integer input as
     per-sequence lengths rather than offsets."""
@@ -592,29 +620,11 @@ def analyse(S, pv, lengths=False) -> Plan:
         raise Decline("score product does not contract the same q/k feature digits")
     if _dimkey(A[0]) != _dimkey(K[0]):
         raise Decline("score product batches q and k differently")
-    Z = lay.normalize_dim(A[0])
-    zkeys = [_key(m) for m in Z]
-    if zkeys.count(bkey) != 1 or any(m[1] not in ("b",) and not str(m[1]).startswith("q") for m in Z):
-        raise Decline("score product batch is not (sequence, head)")
-    if any(m[1] is None for d in A for m in d) or any(m[1] is None for d in K for m in d):
-        raise Decline("score product broadcasts an operand")
-    c_modes = list(lay.normalize_dim(A[2]))
-    if any(not str(m[1]).startswith("q") for m in c_modes):
-        raise Decline("score product contracts over something other than features")
-    head_modes = [m for m in Z if m[1] != "b"]
-    _check_tiles(head_modes + c_modes, fq, axq, "score product")
+    plan._Z, plan.head_modes, plan.c_modes = score_modes(A, K, bkey, fq, axq)
 
     # PV product
-    Y = v.layout
-    if len(Y) != 3 or _dimkey(Y[1]) != tuple(_key(m) for m in nmode):
-        raise Decline("value product does not contract over key rows of the padded sequences")
-    plan.head_modes, plan.c_modes = head_modes, c_modes
-    plan.e_modes = list(lay.normalize_dim(Y[2]))
-    if any(m[1] is None or not m[1].startswith("v") for m in plan.e_modes) or \
-            any(m[1] is None for d in Y for m in d):
-        raise Decline("value product output dims are not value features")
-    plan._Y = Y
-    plan._Z = Z
+    plan._Y = v.layout
+    plan.e_modes = value_modes(v.layout, tuple(_key(m) for m in nmode))
     plan._B = B
     return plan
 

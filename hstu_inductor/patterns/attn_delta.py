@@ -164,26 +164,12 @@ def _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0):
         raise Decline("score product does not contract the same q/k feature digits")
     if A._dimkey(QL[0]) != A._dimkey(KL[0]):
         raise Decline("score product batches delta q and k differently")
-    Z = lay.normalize_dim(QL[0])
-    bkey = A._key((B, "b", sympy.Integer(1)))
-    if [A._key(m) for m in Z].count(bkey) != 1 or any(m[1] != "b" and not str(m[1]).startswith("q") for m in Z):
-        raise Decline("score product batch is not (sequence, head)")
-    if any(m[1] is None for d in QL for m in d) or any(m[1] is None for d in KL for m in d):
-        raise Decline("score product broadcasts an operand")
-    c_modes = list(lay.normalize_dim(QL[2]))
-    if any(not str(m[1]).startswith("q") for m in c_modes):
-        raise Decline("score product contracts over something other than features")
-    head_modes = [m for m in Z if m[1] != "b"]
-    A._check_tiles(head_modes + c_modes, fq, axq, "score product")
+    Z, head_modes, c_modes = A.score_modes(QL, KL, A._key((B, "b", sympy.Integer(1))), fq, axq)
 
     plan = A.Plan(pv=pv, S=S, out=None, q=q, k=k, v=v, offsets=offsets, num_targets=None, N=N)
     Y = v.layout
-    if len(Y) != 3 or A._dimkey(Y[1]) != nkey:
-        raise Decline("value product does not contract over key rows of the padded sequences")
     plan.head_modes, plan.c_modes = head_modes, c_modes
-    plan.e_modes = list(lay.normalize_dim(Y[2]))
-    if any(m[1] is None or not m[1].startswith("v") for m in plan.e_modes) or any(m[1] is None for d in Y for m in d):
-        raise Decline("value product output dims are not value features")
+    plan.e_modes = A.value_modes(Y, nkey)
     plan._Y, plan._Z, plan._B = Y, Z, B
     plan.Dd = Dd
 
