@@ -22,10 +22,18 @@ kernels: str = os.environ.get("HSTU_INDUCTOR_KERNELS", "auto")
 #: Deterministic attention backward (no atomics); slower.
 deterministic: bool = os.environ.get("HSTU_INDUCTOR_DETERMINISTIC", "0") == "1"
 
+#: What the backward of the fused STU blocks does with the forward's intermediates (preprocess:
+#: LayerNorm output, statistics, projection pre-activations; output block: the projection input
+#: and the norm statistics): "save" them (``hstu.stu_preprocess_save`` / ``hstu.stu_output_save``;
+#: more activation memory) or "recompute" them (``hstu.stu_preprocess`` / ``hstu.stu_output``; a
+#: LayerNorm, a u-column matmul and the output block's norm kernel more per layer).
+#: The default was chosen by measurement (benchmarks/RESULTS.md, "save or recompute").
+block_backward: str = os.environ.get("HSTU_INDUCTOR_BLOCK_BACKWARD", "recompute")
+
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"
 
-_VALID = {"tma": ("auto", "on", "off"), "kernels": ("auto", "off")}
+_VALID = {"tma": ("auto", "on", "off"), "kernels": ("auto", "off"), "block_backward": ("save", "recompute")}
 
 
 def validate() -> None:
@@ -42,7 +50,7 @@ def validate() -> None:
 def snapshot() -> dict:
     """The current options, e.g. for cache keys and reports."""
     return {"tma": tma, "patterns": dict(patterns), "kernels": kernels, "deterministic": deterministic,
-            "strict": strict}
+            "block_backward": block_backward, "strict": strict}
 
 
 @contextlib.contextmanager

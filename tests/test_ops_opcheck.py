@@ -215,17 +215,59 @@ PRE_CASES = {
 }
 
 
+@pytest.mark.parametrize("op", [ops.stu_preprocess, ops.stu_preprocess_save], ids=["recompute", "save"])
 @pytest.mark.parametrize("name", list(PRE_CASES))
-def test_opcheck_stu_preprocess(name):
-    torch.library.opcheck(ops.stu_preprocess, _pre_args(**PRE_CASES[name]))
+def test_opcheck_stu_preprocess(name, op):
+    torch.library.opcheck(op, _pre_args(**PRE_CASES[name]))
 
 
+@pytest.mark.parametrize("saved", [False, True], ids=["recompute", "save"])
 @pytest.mark.parametrize("name", list(PRE_CASES))
-def test_opcheck_stu_preprocess_bwd(name):
+def test_opcheck_stu_preprocess_bwd(name, saved):
     args = _pre_args(**PRE_CASES[name], grad=False)
     g = torch.Generator().manual_seed(1)
     grads = tuple(torch.randn(7, d, generator=g) for d in (UD, UD, QD, QD))
-    torch.library.opcheck(ops.stu_preprocess_bwd, (*grads, *args))
+    extra = tuple(ops.stu_preprocess_save(*args)[4:]) if saved else ()
+    torch.library.opcheck(ops.stu_preprocess_bwd, (*grads, *args, *extra))
+
+
+def test_stu_preprocess_save_intermediates():
+    """The extra outputs are what the backward would recompute, and carry no gradient."""
+    args = _pre_args(seed=9)
+    x, lw, lb, eps, w, b = args[:6]
+    u, v, q, k, normed, uvqk, mean, rstd = ops.stu_preprocess_save(*args)
+    assert rel_err(normed, F.layer_norm(x, (x.shape[1],), lw, lb, eps)) < 1e-6
+    assert rel_err(uvqk, F.linear(normed, w, b)) < 1e-6
+    assert rel_err(mean.squeeze(1), x.mean(1)) < 1e-6
+    assert rel_err(rstd.squeeze(1), (x.var(1, unbiased=False) + eps).rsqrt()) < 1e-6
+    assert not any(t.requires_grad for t in (normed, uvqk, mean, rstd))
+    ptrs = [t.data_ptr() for t in (u, v, q, k, normed, uvqk)]
+    assert len(set(ptrs)) == len(ptrs)
+    # one row: slices of the projection are contiguous, the outputs must still not alias it
+    one = ops.stu_preprocess_save(*_pre_args(seed=10, L=1))
+    assert len({t.data_ptr() for t in one[:6]}) == 6
+
+
+def test_stu_preprocess_bwd_reads_saved_intermediates():
+    """With the intermediates given, the backward uses them (a scaled ``normed`` scales ``d_weight``)
+    and agrees with the recomputing backward when they are the forward's own."""
+    args = _pre_args(grad=False, seed=11)
+    grads = tuple(torch.randn(7, d, generator=torch.Generator().manual_seed(12)) for d in (UD, UD, QD, QD))
+    normed, uvqk, mean, rstd = ops.stu_preprocess_save(*args)[4:]
+    recomputed = ops.stu_preprocess_bwd(*grads, *args)
+    saved = ops.stu_preprocess_bwd(*grads, *args, normed, uvqk, mean, rstd)
+    for a, b in zip(saved, recomputed):
+        assert rel_err(a, b) < 1e-6
+    scaled = ops.stu_preprocess_bwd(*grads, *args, normed * 2, uvqk, mean, rstd)
+    assert rel_err(scaled[3], 2 * recomputed[3]) < 1e-6  # d_weight = d_p^T @ normed
+
+
+def test_stu_preprocess_bwd_partial_saved_raises():
+    args = _pre_args(grad=False)
+    grads = tuple(torch.randn(7, d) for d in (UD, UD, QD, QD))
+    normed = ops.stu_preprocess_save(*args)[4]
+    with pytest.raises(RuntimeError, match="all of normed, uvqk, mean, rstd or none"):
+        ops.stu_preprocess_bwd(*grads, *args, normed)
 
 
 def _pre_reference(x, lw, lb, eps, w, b, u_dim, qk_dim, silu_all):
@@ -288,16 +330,39 @@ OUT_CASES = {
 }
 
 
+@pytest.mark.parametrize("op", [ops.stu_output, ops.stu_output_save], ids=["recompute", "save"])
 @pytest.mark.parametrize("name", list(OUT_CASES))
-def test_opcheck_stu_output(name):
-    torch.library.opcheck(ops.stu_output, _out_args(**OUT_CASES[name]))
+def test_opcheck_stu_output(name, op):
+    torch.library.opcheck(op, _out_args(**OUT_CASES[name]))
 
 
+@pytest.mark.parametrize("saved", [False, True], ids=["recompute", "save"])
 @pytest.mark.parametrize("name", list(OUT_CASES))
-def test_opcheck_stu_output_bwd(name):
+def test_opcheck_stu_output_bwd(name, saved):
     args = _out_args(**OUT_CASES[name], grad=False)
     grad = torch.randn(7, E, generator=torch.Generator().manual_seed(1))
-    torch.library.opcheck(ops.stu_output_bwd, (grad, *args))
+    extra = (0.0, None, *ops.stu_output_save(*args)[1:]) if saved else ()
+    torch.library.opcheck(ops.stu_output_bwd, (grad, *args, *extra))
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "group_norm_concat_no_bias", "no_affine"])
+def test_stu_output_bwd_reads_saved_intermediates(name):
+    """The saved ``y, mean, rstd`` are the forward's own (same gradients as recomputing) and are
+    really read (a scaled ``y`` scales ``d_weight``)."""
+    args = _out_args(**OUT_CASES[name], grad=False, seed=13)
+    out, y, mean, rstd = ops.stu_output_save(*args)
+    assert torch.equal(out, ops.stu_output(*args))
+    assert not any(t.requires_grad for t in (y, mean, rstd))
+    grad = torch.randn(7, E, generator=torch.Generator().manual_seed(14))
+    recomputed = ops.stu_output_bwd(grad, *args)
+    saved = ops.stu_output_bwd(grad, *args, 0.0, None, y, mean, rstd)
+    for a, b in zip(saved, recomputed):
+        assert rel_err(a, b) < 1e-6
+    d_w = 5 if args[3] is not None else 3  # packed gradients: attn, u, x, [nw, nb], w, [b]
+    scaled = ops.stu_output_bwd(grad, *args, 0.0, None, y * 2, mean, rstd)
+    assert rel_err(scaled[d_w], 2 * recomputed[d_w]) < 1e-6
+    with pytest.raises(RuntimeError, match="all of y, mean, rstd or none"):
+        ops.stu_output_bwd(grad, *args, 0.0, None, y)
 
 
 def _out_reference(attn, u, x, nw, nb, eps, groups, w, b, concat):
@@ -379,7 +444,8 @@ def test_stu_output_dropout_equals_reference(name):
         assert rel_err(a, e) < 1e-4
 
 
-def test_stu_output_dropout_gradcheck_float64():
+@pytest.mark.parametrize("op", [ops.stu_output, lambda *a: ops.stu_output_save(*a)[0]], ids=["recompute", "save"])
+def test_stu_output_dropout_gradcheck_float64(op):
     args = list(_drop_args("group_norm_concat_p05", dtype=torch.float64, seed=7, L=3, E=3, UD=4))
     slots = [i for i in (0, 1, 2, 3, 4, 7, 8) if args[i] is not None]
 
@@ -387,7 +453,7 @@ def test_stu_output_dropout_gradcheck_float64():
         a = list(args)
         for i, t in zip(slots, ts):
             a[i] = t
-        return ops.stu_output(*a)
+        return op(*a)
 
     assert torch.autograd.gradcheck(fn, tuple(args[i] for i in slots), eps=1e-6, atol=1e-7)
 
@@ -404,8 +470,10 @@ def test_stu_output_dropout_validation():
     assert torch.equal(ops.stu_output(*args, 0.0, torch.tensor(3)), ops.stu_output(*args))
 
 
+@pytest.mark.parametrize("op", [ops.stu_preprocess, lambda *a: ops.stu_preprocess_save(*a)[:4]],
+                         ids=["recompute", "save"])
 @pytest.mark.parametrize("name", ["affine_bias", "no_affine", "silu_all"])
-def test_stu_preprocess_gradcheck_float64(name):
+def test_stu_preprocess_gradcheck_float64(name, op):
     args = list(_pre_args(**PRE_CASES[name], dtype=torch.float64, seed=6, L=3, E=4, UD=2, QD=2))
     slots = [i for i in (0, 1, 2, 4, 5) if args[i] is not None]
 
@@ -413,13 +481,14 @@ def test_stu_preprocess_gradcheck_float64(name):
         a = list(args)
         for i, t in zip(slots, ts):
             a[i] = t
-        return ops.stu_preprocess(*a)
+        return op(*a)
 
     assert torch.autograd.gradcheck(fn, tuple(args[i] for i in slots), eps=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("op", [ops.stu_output, lambda *a: ops.stu_output_save(*a)[0]], ids=["recompute", "save"])
 @pytest.mark.parametrize("name", ["layer_norm", "group_norm_concat_no_bias", "no_affine"])
-def test_stu_output_gradcheck_float64(name):
+def test_stu_output_gradcheck_float64(name, op):
     args = list(_out_args(**OUT_CASES[name], dtype=torch.float64, seed=7, L=3, E=3, UD=4))
     slots = [i for i in (0, 1, 2, 3, 4, 7, 8) if args[i] is not None]
 
@@ -427,7 +496,7 @@ def test_stu_output_gradcheck_float64(name):
         a = list(args)
         for i, t in zip(slots, ts):
             a[i] = t
-        return ops.stu_output(*a)
+        return op(*a)
 
     assert torch.autograd.gradcheck(fn, tuple(args[i] for i in slots), eps=1e-6, atol=1e-7)
 

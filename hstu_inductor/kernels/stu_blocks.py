@@ -3,16 +3,16 @@
 preprocess  ``u, v, q, k = split(LayerNorm(x) @ W^T + b); u = silu(u)``
     forward : LayerNorm kernel -> ``addmm`` (cuBLAS) -> one split kernel that applies silu and
               writes the four contiguous outputs in one pass over the projection.
-    backward: LayerNorm recomputed (kernel) and the projection's pre-activations recomputed by a
-              matmul (only the u columns unless ``silu_all``) -> one kernel building the
-              concatenated ``d_uvqk`` with the silu backward -> ``dW``, ``db``, ``d_normed`` by
-              cuBLAS -> LayerNorm backward kernel.
+    backward: the normalised x, the statistics and the pre-activations are either saved by the
+              forward (``stu_preprocess_save``) or recomputed (LayerNorm kernel plus a matmul of
+              only the u columns unless ``silu_all``) -> the silu backward and the concatenated
+              ``d_uvqk`` (ATen) -> ``dW``, ``db``, ``d_normed`` by cuBLAS -> LayerNorm backward kernel.
 output      ``out = x + drop([u, attn,] u * Norm(attn)) @ W^T + b``  (Norm: layer or per-head group)
     forward : one kernel normalises attn (fp32 stats), multiplies by u, applies dropout and
               writes the projection input (for ``concat_ua`` the ``[L, 3C]`` buffer ``[u, attn, y]``
               directly, no cat) -> ``addmm`` with the residual as the matmul's C input, bias added once.
-    backward: the forward kernel recomputes the projection input (needed for ``dW``) and the
-              statistics -> ``d_y = grad @ W``, ``dW = grad^T @ y``, ``db`` by cuBLAS/ATen -> one
+    backward: the projection input (needed for ``dW``) and the statistics are saved by the
+              forward (``stu_output_save``) or recomputed by the forward kernel -> ``d_y = grad @ W``, ``dW = grad^T @ y``, ``db`` by cuBLAS/ATen -> one
               kernel producing ``d_attn``, ``d_u`` and norm dweight/dbias partials.
 Dropout masks are regenerated from ``(seed, flat index)`` (:mod:`.rng`); nothing is saved.
 
@@ -31,7 +31,7 @@ from .norms import (affine_norm_grad, bwd_tile, norm_bwd, norm_fwd, normalize, n
                     store_partials, supported_channels, tile, xhat_from_stats)
 from .rng import keep, seed_keys
 
-__all__ = ["supported_channels", "output_y", "output_y_bwd", "split_silu", "uvqk_grad", "stu_output_fwd", "stu_output_bwd",
+__all__ = ["supported_channels", "output_y", "output_y_bwd", "split_silu", "uvqk_grad", "linear", "stu_output_fwd", "stu_output_bwd",
            "stu_preprocess_fwd", "stu_preprocess_bwd"]
 
 
@@ -193,18 +193,21 @@ def output_y_bwd(d_y, attn, u, norm_weight, norm_bias, mean, rstd, groups: int, 
 
 def stu_output_fwd(attn, u, x, norm_weight, norm_bias, eps, groups, weight, bias, concat_ua, dropout_p=0.0,
                    seed=None):
-    """``x + drop(y) @ weight^T (+ bias)``; the residual is addmm's C input, the bias added once."""
-    y, _, _ = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed)
+    """``(x + drop(y) @ weight^T (+ bias), y, mean, rstd)``; the residual is addmm's C input, the bias
+    added once."""
+    y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed)
     out = torch.addmm(x, y, weight.t())
     if bias is not None:
         out.add_(bias)
-    return out
+    return out, y, mean, rstd
 
 
 def stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, groups, weight, bias, concat_ua, dropout_p=0.0,
-                   seed=None):
-    """Gradients ``[d_attn, d_u, d_x, d_norm_weight, d_norm_bias, d_weight, d_bias]`` (Nones dropped)."""
-    y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed)
+                   seed=None, y=None, mean=None, rstd=None):
+    """Gradients ``[d_attn, d_u, d_x, d_norm_weight, d_norm_bias, d_weight, d_bias]`` (Nones dropped).
+    Without the forward's ``y, mean, rstd`` the forward kernel recomputes them."""
+    if y is None:
+        y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed)
     d_y = grad.mm(weight)
     d_w = grad.t().mm(y)
     d_attn, d_u, d_nw, d_nb = output_y_bwd(d_y, attn, u, norm_weight, norm_bias, mean, rstd, groups, concat_ua,
@@ -225,37 +228,45 @@ def stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, groups, weight
 # triton_op, Inductor fuses them into its own copy kernels, which measured 187 us against 368 us
 # for our per-segment Triton copies (H100, L=62k, width 2048, bf16; benchmarks/stu_kernels.py).
 def split_silu(uvqk, u_dim: int, qk_dim: int, silu_all: bool):
-    """``(silu(u), v, q, k)`` (silu on all four with ``silu_all``), each a new contiguous tensor."""
+    """``(silu(u), v, q, k)`` (silu on all four with ``silu_all``), each a new contiguous tensor
+    (``clone``: a one-row slice is contiguous already and must not alias ``uvqk``)."""
     u, v, q, k = torch.split(F.silu(uvqk) if silu_all else uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=1)
-    return (u if silu_all else F.silu(u)).contiguous(), v.contiguous(), q.contiguous(), k.contiguous()
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in ((u if silu_all else F.silu(u)), v, q, k))
 
 
 def uvqk_grad(du, dv, dq, dk, pre, silu_all: bool):
     """The gradient of the projection output ``[L, 2(UD+QD)]``; ``pre`` holds the pre-activations of
-    all columns (``silu_all``) or only of the u columns."""
+    all columns (``silu_all``) or at least of the u columns (the first ``du.shape[1]``)."""
     if silu_all:
         return torch.ops.aten.silu_backward(torch.cat([du, dv, dq, dk], dim=1), pre)
-    return torch.cat([torch.ops.aten.silu_backward(du, pre), dv, dq, dk], dim=1)
+    return torch.cat([torch.ops.aten.silu_backward(du, pre[:, :du.shape[1]]), dv, dq, dk], dim=1)
 
 
-def _linear(inp, weight, bias):
+def linear(inp, weight, bias):
+    """``F.linear`` on cuBLAS with the bias as addmm's C input."""
     return torch.addmm(bias, inp, weight.t()) if bias is not None else inp.mm(weight.t())
 
 
 def stu_preprocess_fwd(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all=False):
-    normed, _, _ = norm_fwd(x, ln_weight, ln_bias, eps)
-    return split_silu(_linear(normed, weight, bias), u_dim, qk_dim, silu_all)
-
-
-def stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all):
-    """Gradients ``[d_x, d_ln_weight, d_ln_bias, d_weight, d_bias]`` (Nones dropped). Recomputes the
-    normalised x and the pre-activations the silu backward needs (only the u columns unless silu_all)."""
+    """``(u, v, q, k, normed, uvqk, mean [L, 1], rstd [L, 1])``: the outputs and the intermediates
+    (the forward computes them all; the caller decides what to keep)."""
     normed, mean, rstd = norm_fwd(x, ln_weight, ln_bias, eps)
-    if silu_all:
-        pre = _linear(normed, weight, bias)
-    else:
-        pre = _linear(normed, weight[:u_dim], bias[:u_dim] if bias is not None else None)
-    d_p = uvqk_grad(du, dv, dq, dk, pre, silu_all)
+    uvqk = linear(normed, weight, bias)
+    return (*split_silu(uvqk, u_dim, qk_dim, silu_all), normed, uvqk, mean, rstd)
+
+
+def stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all,
+                       normed=None, uvqk=None, mean=None, rstd=None):
+    """Gradients ``[d_x, d_ln_weight, d_ln_bias, d_weight, d_bias]`` (Nones dropped). Without the
+    forward's intermediates it recomputes the normalised x and the pre-activations the silu backward
+    needs (only the u columns unless silu_all)."""
+    if normed is None:
+        normed, mean, rstd = norm_fwd(x, ln_weight, ln_bias, eps)
+        if silu_all:
+            uvqk = linear(normed, weight, bias)
+        else:
+            uvqk = linear(normed, weight[:u_dim], bias[:u_dim] if bias is not None else None)
+    d_p = uvqk_grad(du, dv, dq, dk, uvqk, silu_all)
     d_w = d_p.t().mm(normed)
     d_b = d_p.sum(0) if bias is not None else None
     d_normed = d_p.mm(weight)

@@ -4,9 +4,11 @@ Both are ``torch.library.triton_op`` s: torch.compile/AOTInductor trace into the
 exported package needs no Python for them), while ``torch.export`` keeps them as single nodes.
 CUDA inputs (fp16/bf16/fp32, kernels enabled) run the fused Triton kernels of
 :mod:`hstu_inductor.kernels.stu_blocks` (launched through ``wrap_triton``); everything else runs
-the ATen bodies below, which are the semantic reference. The backward ops are closed-form and
-*recompute* the normalisation and the projection output from the saved inputs instead of saving
-``[L, 2H(Dq+Dv)]`` activations.
+the ATen bodies below, which are the semantic reference. The backward ops are closed-form. The
+preprocess backward either *recomputes* the normalisation and the projection's pre-activations from
+the saved inputs (``stu_preprocess``) or reads them from the forward (``stu_preprocess_save``:
+``[L, E + 2(u_dim+qk_dim)]`` more activation memory, no recompute); likewise the output block
+(``stu_output`` recomputes its projection input and statistics, ``stu_output_save`` keeps them).
 
 Dropout in the output block is a pure function of ``(seed, flat index)``
 (:mod:`hstu_inductor.reference.dropout`); the CPU body and the Triton kernels produce the same mask.
@@ -24,7 +26,8 @@ from ..reference.dropout import dropout_keep_mask
 from ..reference.jagged import require
 from ._kernels import stu_kernels
 
-__all__ = ["stu_preprocess", "stu_output", "stu_preprocess_bwd", "stu_output_bwd"]
+__all__ = ["stu_preprocess", "stu_preprocess_save", "stu_output", "stu_output_save", "stu_preprocess_bwd",
+           "stu_output_bwd"]
 
 aten = torch.ops.aten
 
@@ -106,6 +109,17 @@ def _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias):
     return normed, F.linear(normed, weight, bias), mean, rstd
 
 
+def _split_activate(uvqk, u_dim, qk_dim, silu_all):
+    """``(silu(u), v, q, k)`` as new contiguous tensors (``clone``, not ``contiguous``: a one-row slice
+    is already contiguous and would alias ``uvqk``, which ``stu_preprocess_save`` also returns)."""
+    if silu_all:
+        uvqk = F.silu(uvqk)
+    u, v, q, k = torch.split(uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
+    if not silu_all:
+        u = F.silu(u)
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in (u, v, q, k))
+
+
 @triton_op("hstu::stu_preprocess", mutates_args=())
 def stu_preprocess(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float, weight: Tensor,
                    bias: Optional[Tensor], u_dim: int, qk_dim: int,
@@ -114,31 +128,47 @@ def stu_preprocess(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Ten
 
     ``weight`` is in ``F.linear`` layout ``[2*(u_dim+qk_dim), E]``; ``silu_all`` activates all four.
     LayerNorm statistics are computed in fp32 and the normalised x is cast back to ``x.dtype``.
+    Its backward recomputes the normalised x and the pre-activations (see ``stu_preprocess_save``).
     """
+    return tuple(stu_preprocess_save(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all)[:4])
+
+
+@triton_op("hstu::stu_preprocess_save", mutates_args=())
+def stu_preprocess_save(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float,
+                        weight: Tensor, bias: Optional[Tensor], u_dim: int, qk_dim: int, silu_all: bool = False
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`stu_preprocess` that also returns the intermediates its backward needs, so that the
+    backward reads them instead of recomputing them: ``(u, v, q, k, normed, uvqk, mean, rstd)`` with
+    ``normed`` the LayerNorm output (``x.dtype``), ``uvqk`` the projection output before any silu
+    and ``mean``/``rstd`` ``[L, 1]`` statistics (fp32 or wider). The forward computes all of them
+    anyway; saving costs memory (``[L, E + 2(u_dim+qk_dim)]``), not time.
+    ``hstu_inductor.config.block_backward`` selects which op the pattern emits."""
     _check_preprocess(x, weight, u_dim, qk_dim)
     kern = _kernels_for(x, weight, bias, norm_params=(ln_weight, ln_bias), channels=x.shape[1])
     if kern is not None:
         return kern.stu_preprocess_fwd(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all)
-    _, uvqk, _, _ = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
-    if silu_all:
-        uvqk = F.silu(uvqk)
-    u, v, q, k = torch.split(uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
-    if not silu_all:
-        u = F.silu(u)
-    return u.contiguous(), v.contiguous(), q.contiguous(), k.contiguous()
+    normed, uvqk, mean, rstd = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
+    return (*_split_activate(uvqk, u_dim, qk_dim, silu_all), normed, uvqk, mean, rstd)
 
 
 @triton_op("hstu::stu_preprocess_bwd", mutates_args=())
 def stu_preprocess_bwd(du: Tensor, dv: Tensor, dq: Tensor, dk: Tensor, x: Tensor, ln_weight: Optional[Tensor],
                        ln_bias: Optional[Tensor], eps: float, weight: Tensor, bias: Optional[Tensor], u_dim: int,
-                       qk_dim: int, silu_all: bool) -> list[Tensor]:
-    """Gradients for ``x, ln_weight, ln_bias, weight, bias`` (only for the tensors that are not None)."""
+                       qk_dim: int, silu_all: bool, normed: Optional[Tensor] = None, uvqk: Optional[Tensor] = None,
+                       mean: Optional[Tensor] = None, rstd: Optional[Tensor] = None) -> list[Tensor]:
+    """Gradients for ``x, ln_weight, ln_bias, weight, bias`` (only for the tensors that are not None).
+    ``normed, uvqk, mean, rstd`` are :func:`stu_preprocess_save`'s intermediates; when they are not
+    given they are recomputed from ``x`` (LayerNorm forward plus the u columns of the projection)."""
+    saved = (normed, uvqk, mean, rstd)
+    require(all(t is None for t in saved) or all(t is not None for t in saved),
+            lambda: "stu_preprocess_bwd: pass all of normed, uvqk, mean, rstd or none of them")
     kern = _kernels_for(x, du, dv, dq, dk, weight, bias, norm_params=(ln_weight, ln_bias), channels=x.shape[1])
     if kern is not None:
         grads = kern.stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim,
-                                        silu_all)
+                                        silu_all, *saved)
         return [g.contiguous() for g in grads]
-    normed, uvqk, mean, rstd = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
+    if normed is None:
+        normed, uvqk, mean, rstd = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
     grad = torch.cat([du, dv, dq, dk], dim=-1)
     if silu_all:
         grad = aten.silu_backward(grad, uvqk)
@@ -192,31 +222,60 @@ def stu_output(attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor]
                dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> Tensor:
     """``x + F.linear(drop(u * Norm(attn) [cat u, attn before]), weight, bias)``; ``norm_groups=0`` is
     layer norm. Dropout (``dropout_p > 0``, training) applies to the whole projection input with the
-    counter-based mask of ``seed`` (one-element int64 tensor), scaled by ``1 / (1 - dropout_p)``."""
+    counter-based mask of ``seed`` (one-element int64 tensor), scaled by ``1 / (1 - dropout_p)``.
+    Its backward recomputes the projection input and the statistics (see ``stu_output_save``)."""
+    return stu_output_save(attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua, dropout_p,
+                           seed)[0]
+
+
+@triton_op("hstu::stu_output_save", mutates_args=())
+def stu_output_save(attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
+                    eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor], concat_ua: bool,
+                    dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`stu_output` that also returns what its backward reads instead of recomputing:
+    ``(out, y, mean, rstd)``, ``y`` the projection input after dropout (``[L, C]`` or ``[L, 3C]``)
+    and ``mean``/``rstd`` ``[L, max(norm_groups, 1)]`` statistics (fp32 or wider)."""
     _check_output(attn, u, x, weight, concat_ua, dropout_p, seed)
     kern = _kernels_for(attn, u, x, weight, bias, norm_params=(norm_weight, norm_bias), channels=attn.shape[1],
                         groups=norm_groups)
     if kern is not None:
         return kern.stu_output_fwd(attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua,
                                    dropout_p, seed)
-    y, _, _, _, _ = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua, dropout_p, seed)
-    return x + F.linear(y, weight, bias)
+    y, _, mean, rstd, _ = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua, dropout_p, seed)
+    return x + F.linear(y, weight, bias), y, mean, rstd
+
+
+def _normed_from_stats(attn, mean, rstd, weight, bias, groups):
+    """``Norm(attn)`` in attn's dtype from saved statistics ``[L, G]`` (the forward's own values)."""
+    L, C = attn.shape
+    x32, w, b = _upcast(attn, weight, bias)
+    xhat = ((x32.view(L, mean.shape[1], -1) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).view(L, C)
+    normed = xhat * w if w is not None else xhat
+    return (normed + b if b is not None else normed).to(attn.dtype)
 
 
 @triton_op("hstu::stu_output_bwd", mutates_args=())
 def stu_output_bwd(grad: Tensor, attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor],
                    norm_bias: Optional[Tensor], eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor],
-                   concat_ua: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> list[Tensor]:
+                   concat_ua: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None, y: Optional[Tensor] = None,
+                   mean: Optional[Tensor] = None, rstd: Optional[Tensor] = None) -> list[Tensor]:
     """Gradients for ``attn, u, x, norm_weight, norm_bias, weight, bias`` (those not None). The
-    dropout mask is regenerated from ``seed``."""
+    dropout mask is regenerated from ``seed``. ``y, mean, rstd`` are :func:`stu_output_save`'s
+    intermediates; when they are not given they are recomputed."""
+    require((y is None) == (mean is None) == (rstd is None),
+            lambda: "stu_output_bwd: pass all of y, mean, rstd or none of them")
     kern = _kernels_for(attn, grad, u, x, weight, bias, norm_params=(norm_weight, norm_bias),
                         channels=attn.shape[1], groups=norm_groups)
     if kern is not None:
         grads = kern.stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias,
-                                    concat_ua, dropout_p, seed)
+                                    concat_ua, dropout_p, seed, y, mean, rstd)
         return [g.contiguous() for g in grads]
-    y, normed, mean, rstd, drop = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua,
-                                            dropout_p, seed)
+    if y is None:
+        y, normed, mean, rstd, drop = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua,
+                                                dropout_p, seed)
+    else:
+        normed = _normed_from_stats(attn, mean, rstd, norm_weight, norm_bias, norm_groups)
+        drop = _dropout_scale(y, dropout_p, seed)
     d_y = grad.mm(weight)
     d_w = grad.t().mm(y)
     d_b = grad.sum(0) if bias is not None else None
@@ -245,35 +304,43 @@ def _expand(grads, optional_inputs):
 
 def _pre_setup(ctx, inputs, output):
     x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all = inputs
-    ctx.save_for_backward(x, ln_weight, ln_bias, weight, bias)
+    saved = tuple(output[4:])  # stu_preprocess_save: the intermediates; stu_preprocess: none (recompute)
+    if saved:
+        ctx.mark_non_differentiable(*saved)
+    ctx.save_for_backward(x, ln_weight, ln_bias, weight, bias, *saved)
     ctx.args = (eps, u_dim, qk_dim, silu_all)
 
 
-def _pre_backward(ctx, du, dv, dq, dk):
-    x, ln_weight, ln_bias, weight, bias = ctx.saved_tensors
+def _pre_backward(ctx, du, dv, dq, dk, *_intermediates):
+    x, ln_weight, ln_bias, weight, bias, *saved = ctx.saved_tensors
     eps, u_dim, qk_dim, silu_all = ctx.args
     grads = torch.ops.hstu.stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim,
-                                              qk_dim, silu_all)
+                                              qk_dim, silu_all, *saved)
     gx, gw_ln, gb_ln, gw, gb = _expand(grads, (x, ln_weight, ln_bias, weight, bias))
     return gx, gw_ln, gb_ln, None, gw, gb, None, None, None
 
 
 stu_preprocess.register_autograd(_pre_backward, setup_context=_pre_setup)
+stu_preprocess_save.register_autograd(_pre_backward, setup_context=_pre_setup)
 
 
 def _out_setup(ctx, inputs, output):
     attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua, dropout_p, seed = inputs
-    ctx.save_for_backward(attn, u, x, norm_weight, norm_bias, weight, bias, seed)
+    saved = tuple(output[1:]) if isinstance(output, (tuple, list)) else ()  # stu_output_save: y, mean, rstd
+    if saved:
+        ctx.mark_non_differentiable(*saved)
+    ctx.save_for_backward(attn, u, x, norm_weight, norm_bias, weight, bias, seed, *saved)
     ctx.args = (eps, norm_groups, concat_ua, dropout_p)
 
 
-def _out_backward(ctx, grad):
-    attn, u, x, norm_weight, norm_bias, weight, bias, seed = ctx.saved_tensors
+def _out_backward(ctx, grad, *_intermediates):
+    attn, u, x, norm_weight, norm_bias, weight, bias, seed, *saved = ctx.saved_tensors
     eps, norm_groups, concat_ua, dropout_p = ctx.args
     grads = torch.ops.hstu.stu_output_bwd(grad.contiguous(), attn, u, x, norm_weight, norm_bias, eps, norm_groups,
-                                          weight, bias, concat_ua, dropout_p, seed)
+                                          weight, bias, concat_ua, dropout_p, seed, *saved)
     ga, gu, gx, gnw, gnb, gw, gb = _expand(grads, (attn, u, x, norm_weight, norm_bias, weight, bias))
     return ga, gu, gx, gnw, gnb, None, None, gw, gb, None, None, None
 
 
 stu_output.register_autograd(_out_backward, setup_context=_out_setup)
+stu_output_save.register_autograd(_out_backward, setup_context=_out_setup)

@@ -1,9 +1,11 @@
 """Rewriters for the two dense STU blocks around attention: ``preprocess`` and ``output``.
 
     preprocess:  LayerNorm(x) -> projection -> split into u, v, q, k -> silu(u)
-                 => torch.ops.hstu.stu_preprocess(x, ln_w, ln_b, eps, W, b, hv, hq, silu_all)
+                 => torch.ops.hstu.stu_preprocess[_save](x, ln_w, ln_b, eps, W, b, hv, hq, silu_all)
     output:      x + projection( [cat(u, a,] u * Norm(a) [)] )
-                 => torch.ops.hstu.stu_output(a, u, x, n_w, n_b, eps, groups, W, b, concat_ua)
+                 => torch.ops.hstu.stu_output[_save](a, u, x, n_w, n_b, eps, groups, W, b, concat_ua)
+(the ``_save`` variants, emitted with ``config.block_backward="save"``, compute the same outputs
+and also return the intermediates their backward reads)
 
 The matcher is hand-written over the ATen graph produced by ``_compat.trace_aten``. A candidate
 is split into *stages*; every stage has a small table of spellings (one function per spelling,
@@ -32,6 +34,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from .. import config
 from ..report import RewriteReport
 from .registry import register
 
@@ -736,8 +739,10 @@ def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport) -
     # rewrite
     with graph.inserting_before(split.first if silu_all_pre is None else silu_all_pre):
         w = proj.weight if proj.linear_layout else _call(graph, aten.t.default, [proj.weight])
-        op = _call(graph, torch.ops.hstu.stu_preprocess.default,
-                   [norm.src, norm.weight, norm.bias, norm.eps, w, proj.bias, hv, hq, silu_all])
+        # same forward either way; the save variant also returns what its backward reads
+        target = torch.ops.hstu.stu_preprocess_save.default if config.block_backward == "save" \
+            else torch.ops.hstu.stu_preprocess.default
+        op = _call(graph, target, [norm.src, norm.weight, norm.bias, norm.eps, w, proj.bias, hv, hq, silu_all])
         new = [_getitem(graph, op, i) for i in range(4)]
     for i, nodes in enumerate(split.pieces):
         fused_act = silu_all_pre is None and (i == 0 or silu_all)
@@ -967,8 +972,11 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
                 with av.fake_mode:
                     seed.meta["val"] = torch.empty((), dtype=torch.int64, device=av.device)
             extra = [dropout[2], seed]
-        op = _call(graph, torch.ops.hstu.stu_output.default,
-                   [a, u, x, norm.weight, norm.bias, norm.eps, norm.groups, w, proj.bias, is_concat, *extra])
+        args = [a, u, x, norm.weight, norm.bias, norm.eps, norm.groups, w, proj.bias, is_concat, *extra]
+        if config.block_backward == "save":  # same output; the backward reads y and the statistics
+            op = _getitem(graph, _call(graph, torch.ops.hstu.stu_output_save.default, args), 0)
+        else:
+            op = _call(graph, torch.ops.hstu.stu_output.default, args)
     add.replace_all_uses_with(op)
     spelling = f"u*{norm.spelling}(attn)" if mul.args[0] is u else f"{norm.spelling}(attn)*u"
     if is_concat:

@@ -280,9 +280,13 @@ OUT_OP_CASES = [  # (groups, concat, bias, affine, p)
 ]
 
 
+OUT_OPS = {"recompute": lambda *a: ops.stu_output(*a), "save": lambda *a: ops.stu_output_save(*a)[0]}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("groups,concat,bias,affine,p", OUT_OP_CASES)
-def test_stu_output_op_kernels(kernels_on_cpu, dtype, groups, concat, bias, affine, p):
+@pytest.mark.parametrize("mode", list(OUT_OPS))
+def test_stu_output_op_kernels(kernels_on_cpu, dtype, groups, concat, bias, affine, p, mode):
     L, C, E = 29, 24, 20
     attn, u, nw, nb = _out_inputs(L, C, max(groups, 1), dtype, affine, 40 + groups)
     g = gen(41)
@@ -291,7 +295,7 @@ def test_stu_output_op_kernels(kernels_on_cpu, dtype, groups, concat, bias, affi
     b = rand((E,), dtype, g, 0.1) if bias else None
     seed = seed_tensor(99) if p > 0 else None
     leaves = [t.requires_grad_() if t is not None else None for t in (attn, u, x, nw, nb, w, b)]
-    out = ops.stu_output(attn, u, x, nw, nb, 1e-5, groups, w, b, concat, p, seed)
+    out = OUT_OPS[mode](attn, u, x, nw, nb, 1e-5, groups, w, b, concat, p, seed)
     a64, u64, x64, nw64, nb64, w64, b64 = leaf64(*leaves)
     ref = ref_stu_output(a64, u64, x64, nw64, nb64, 1e-5, groups, w64, b64, concat, p, seed)
     assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype] * 2
@@ -371,9 +375,14 @@ PRE_CASES = [  # (affine, bias, silu_all)
 ]
 
 
+# stu_preprocess: the backward recomputes; stu_preprocess_save: it reads the forward's intermediates
+PRE_OPS = {"recompute": lambda *a: ops.stu_preprocess(*a), "save": lambda *a: ops.stu_preprocess_save(*a)[:4]}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("affine,bias,silu_all", PRE_CASES)
-def test_stu_preprocess_op_kernels(kernels_on_cpu, dtype, affine, bias, silu_all):
+@pytest.mark.parametrize("mode", list(PRE_OPS))
+def test_stu_preprocess_op_kernels(kernels_on_cpu, dtype, affine, bias, silu_all, mode):
     L, E, UD, QD = 27, 20, 12, 10  # width 44: not a power of two, several column tiles
     g = gen(60 + 2 * affine + bias)
     x = rand((L, E), dtype, g, 1.5, 0.3)
@@ -382,7 +391,7 @@ def test_stu_preprocess_op_kernels(kernels_on_cpu, dtype, affine, bias, silu_all
     w = rand((2 * (UD + QD), E), dtype, g, 0.3)
     b = rand((2 * (UD + QD),), dtype, g, 0.3) if bias else None
     leaves = [t.requires_grad_() if t is not None else None for t in (x, lw, lb, w, b)]
-    outs = ops.stu_preprocess(x, lw, lb, 1e-5, w, b, UD, QD, silu_all)
+    outs = PRE_OPS[mode](x, lw, lb, 1e-5, w, b, UD, QD, silu_all)
     x64, lw64, lb64, w64, b64 = leaf64(*leaves)
     refs = ref_stu_preprocess(x64, lw64, lb64, 1e-5, w64, b64, UD, QD, silu_all)
     for o, r in zip(outs, refs):
@@ -449,7 +458,8 @@ def _fp32_exact_matmuls():
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("groups,concat,p", [(0, False, 0.0), (H_GPU, False, 0.3), (0, True, 0.3),
                                              (H_GPU, True, 0.0)])
-def test_gpu_stu_output(dtype, groups, concat, p):
+@pytest.mark.parametrize("mode", list(OUT_OPS))
+def test_gpu_stu_output(dtype, groups, concat, p, mode):
     _fp32_exact_matmuls()
     L, C, E = L_GPU, H_GPU * D_GPU, E_GPU
     attn, u, nw, nb = _out_inputs(L, C, max(groups, 1), dtype, True, 80)
@@ -459,7 +469,7 @@ def test_gpu_stu_output(dtype, groups, concat, p):
     b = rand((E,), dtype, g, 0.1)
     seed = seed_tensor(31337) if p > 0 else None
     leaves = [t.requires_grad_() for t in (attn, u, x, nw, nb, w, b)]
-    out = ops.stu_output(attn, u, x, nw, nb, 1e-5, groups, w, b, concat, p, seed)
+    out = OUT_OPS[mode](attn, u, x, nw, nb, 1e-5, groups, w, b, concat, p, seed)
     a64, u64, x64, nw64, nb64, w64, b64 = leaf64(*leaves)
     ref = ref_stu_output(a64, u64, x64, nw64, nb64, 1e-5, groups, w64, b64, concat, p, seed)
     assert rel_err(out, ref) < TOL[dtype] * 2
@@ -482,7 +492,8 @@ def test_gpu_stu_output(dtype, groups, concat, p):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("silu_all", [False, True])
-def test_gpu_stu_preprocess(dtype, silu_all):
+@pytest.mark.parametrize("mode", list(PRE_OPS))
+def test_gpu_stu_preprocess(dtype, silu_all, mode):
     _fp32_exact_matmuls()
     L, E, UD, QD = L_GPU, E_GPU, H_GPU * D_GPU, H_GPU * D_GPU
     g = gen(90)
@@ -491,7 +502,7 @@ def test_gpu_stu_preprocess(dtype, silu_all):
     w = rand((2 * (UD + QD), E), dtype, g, 1 / math.sqrt(E))
     b = rand((2 * (UD + QD),), dtype, g, 0.1)
     leaves = [t.requires_grad_() for t in (x, lw, lb, w, b)]
-    outs = ops.stu_preprocess(x, lw, lb, 1e-6, w, b, UD, QD, silu_all)
+    outs = PRE_OPS[mode](x, lw, lb, 1e-6, w, b, UD, QD, silu_all)
     x64, lw64, lb64, w64, b64 = leaf64(*leaves)
     refs = ref_stu_preprocess(x64, lw64, lb64, 1e-6, w64, b64, UD, QD, silu_all)
     for o, r in zip(outs, refs):

@@ -191,6 +191,23 @@ class TestOutputNearMisses(TestCase):
         self.assertIsNone(graphs[0])
 
 
+class TestOutputBackwardModes(TestCase):
+    """``config.block_backward="save"`` emits ``stu_output_save`` (the backward reads the forward's
+    projection input and statistics); results are the same as eager."""
+
+    def test_save_mode_graph_and_results(self):
+        for m in (RefOutput(), RefOutput(concat_ua=True, group_norm=True)):
+            with hstu_inductor.config.patch(block_backward="save"):
+                graphs, report = rewritten(m, *_inputs())
+                self.assertEqual(report.counts["output"], 1, str(report))
+                g = summary(graphs[0])
+                self.assertIn("= hstu.stu_output_save(arg", g)
+                self.assertIn("= getitem(stu_output_save_default, 0)", g)
+                check_compiled(m, *_inputs(seed=2), train=True, counts={"output": 1})
+                m.eval()
+                check_compiled(m, *_inputs(seed=3), train=False, counts={"output": 1})
+
+
 class TestOutputTrainingDropout(TestCase):
     """``F.dropout(u * LN(attn), p, training=True)`` before the projection becomes the op's own
     dropout: same distribution, its own RNG stream (as with stock Inductor), seeded from torch's
@@ -229,6 +246,16 @@ randint_low = randint.low(-4611686018427387904, 4611686018427387904, [], dtype=t
 stu_output_default = hstu.stu_output(arg2_1, arg3_1, arg6_1, arg0_1, arg1_1, 1e-05, 0, arg4_1, arg5_1, False, 0.3, randint_low)""")
 
     def test_mask_values_and_gradients(self):
+        self._check_mask_values_and_gradients()
+
+    def test_mask_values_and_gradients_save_mode(self):
+        # block_backward="save": the backward reads the forward's dropped y instead of regenerating it
+        with hstu_inductor.config.patch(block_backward="save"):
+            graphs, report = rewritten(self._model(), *self._inputs(5))
+            self.assertIn("hstu.stu_output_save(", summary(graphs[0]))
+            self._check_mask_values_and_gradients()
+
+    def _check_mask_values_and_gradients(self):
         p, rows = 0.3, 64
         m = self._model()
         attn, u, x = (t.requires_grad_() for t in self._inputs(rows, seed=3))

@@ -214,6 +214,27 @@ add = add.Tensor(view_1, 1)""")
         check_compiled(m, x, train=True, rtol=2e-2, grad_rtol=5e-2, counts={"preprocess": 1})
 
 
+class TestPreprocessBackwardModes(TestCase):
+    """``config.block_backward="save"`` emits ``stu_preprocess_save`` (the backward reads the
+    forward's normalised x, statistics and pre-activations); results are the same as eager."""
+
+    def test_save_mode_graph_and_results(self):
+        for m, silu_all in ((RefPreprocess(), False), (MatmulSiluAll(), True)):
+            with hstu_inductor.config.patch(block_backward="save"):
+                graphs, report = rewritten(m, _x())
+                self.assertEqual(report.counts["preprocess"], 1, str(report))
+                g = summary(graphs[0])
+                self.assertIn(f"hstu.stu_preprocess_save(arg", g)
+                self.assertIn(f", {silu_all})", g)
+                check_compiled(m, _x(seed=2), train=True, counts={"preprocess": 1})
+                check_compiled(m, _x(seed=3), train=False, counts={"preprocess": 1})
+
+    def test_bad_mode_rejected(self):
+        with self.assertRaisesRegex(ValueError, "block_backward"):
+            with hstu_inductor.config.patch(block_backward="keep"):
+                pass
+
+
 # ---------------------------------------------------------------------------------------------
 # near misses: left to stock Inductor, with a reason
 # ---------------------------------------------------------------------------------------------
