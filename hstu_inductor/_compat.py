@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options", "guarded", "plain_eager"]
+__all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options", "guarded", "plain_eager",
+           "njt_view_target", "is_njt"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -32,6 +33,21 @@ def trace_aten(fn, args, **_ignored) -> torch.fx.GraphModule:
 
     with enable_python_dispatcher():
         return make_fx(fn, tracing_mode="real")(*args)
+
+
+def njt_view_target():
+    """The function Dynamo records for ``nested_tensor_from_jagged(values, offsets, ...)`` (private;
+    None when this torch has no such symbol, and the canonicalisation then does nothing)."""
+    try:
+        from torch.nested._internal.nested_tensor import nested_view_from_values_offsets_lengths
+    except ImportError:
+        return None
+    return nested_view_from_values_offsets_lengths
+
+
+def is_njt(val) -> bool:
+    """True for a jagged-layout nested tensor (real or fake), e.g. a Dynamo node's example value."""
+    return isinstance(val, torch.Tensor) and val.is_nested and val.layout == torch.jagged
 
 
 def compile_fx(gm, example_inputs, config_patches=None):

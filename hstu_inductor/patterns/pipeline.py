@@ -16,6 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import _compat, config
 from ..report import RewriteReport, publish
+from .canonicalize import canonicalize, grad_losing_njt
 from .registry import REWRITERS
 
 log = logging.getLogger("hstu_inductor")
@@ -118,6 +119,10 @@ def run_rewriters(gm: torch.fx.GraphModule) -> RewriteReport:
 def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
     """Canonicalise a Dynamo (torch-level) graph to ATen and rewrite it.
 
+    Before the retrace, ``canonicalize`` replaces nested-tensor pads by plain jagged gathers
+    (exact; see ``canonicalize.py``); graphs still holding a grad-requiring nested tensor are
+    not retraced, since the retrace would detach its values.
+
     Returns the rewritten ATen graph, or None when nothing was rewritten (the caller then
     compiles the original graph unchanged, exactly like stock Inductor).
     """
@@ -133,9 +138,24 @@ def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
     if fake_mode is None:
         publish(RewriteReport(graphs=1))
         return None
+    # Exact torch-level rewrites (nested-tensor pads) on a copy: `gm` stays what stock Inductor gets.
+    try:
+        canon = canonicalize(gm)
+    except Exception:  # optional: without it the graph is retraced as the user wrote it
+        if config.strict:
+            raise
+        log.exception("hstu_inductor: canonicalisation failed; retracing the graph as is")
+        canon = gm
+    lost = grad_losing_njt(canon)
+    if lost is not None:
+        report = RewriteReport(graphs=1)
+        report.near_misses.append(("graph", f"nested tensor {lost.name} requires grad and the ATen retrace "
+                                            "would detach its values; not retraced"))
+        publish(report)
+        return None
     try:
         with fake_mode:
-            aten_gm = _compat.trace_aten(gm, _compat.placeholder_values(gm))
+            aten_gm = _compat.trace_aten(canon, _compat.placeholder_values(canon))
     except Exception as e:  # a graph we cannot retrace is still compiled by stock Inductor
         if config.strict:
             raise

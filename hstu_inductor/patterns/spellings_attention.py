@@ -388,7 +388,7 @@ SPELLINGS = {
     "contextual_window": (contextual_window, True, "row", False, True, "qkv"),
     "fbgemm_dense": (fbgemm_dense, False, None, True, True, "qkv"),
     "aten_jagged_dense": (aten_jagged_dense, False, None, False, False, "qkv"),
-    "nested_padded": (nested_padded, False, None, False, False, "qkv"),  # training: declined, see docs
+    "nested_padded": (nested_padded, False, None, False, True, "qkv"),
     "lengths_cat_cumsum": (lengths_cat_cumsum, False, None, False, True, "lengths"),
     "lengths_pad_cumsum_mask": (lengths_pad_cumsum_mask, True, None, False, True, "lengths"),
     "lengths_fbgemm_cumsum": (lengths_fbgemm_cumsum, False, None, True, True, "lengths"),
@@ -502,6 +502,16 @@ def dense_padding_rows_filled(q, k, v, offsets, num_targets=None, attn_scale=Non
     return torch.einsum("bhnm,bmhd->bnhd", p, vp)
 
 
+def nested_padded_filled(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """``nested_padded`` without a mask and with ``to_padded_tensor(1.0, ...)``: the padding key
+    rows (1.0, not 0) reach the in-sequence outputs, so this is not (non-causal) HSTU."""
+    B = offsets.numel() - 1
+    qp, kp, vp = (torch.nested.nested_tensor_from_jagged(t, offsets).to_padded_tensor(
+        1.0, output_size=(B, N, *t.shape[1:])) for t in (q, k, v))
+    p = F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp)) / N
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
+
+
 #: name -> (function, expected substring of the near-miss reason)
 NEAR_MISSES = {
     "softmax": (softmax_attention, "softmax"),
@@ -515,6 +525,7 @@ NEAR_MISSES = {
     "row_scale_shifted": (row_scale_shifted, "does not scale each query row"),
     "uvqk_rows_sliced": (uvqk_rows_sliced, "along rows"),
     "dense_padding_rows_filled": (dense_padding_rows_filled, "padding rows are not zero"),
+    "nested_padded_filled": (nested_padded_filled, "with zero padding"),
 }
 
 #: inputs of the near misses that differ from ``(q, k, v, offsets)``: name -> (attn_scale, inputs)
