@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--embedding", type=int, default=512)
     ap.add_argument("--width", type=int, default=2048, help="2*(u_dim+qk_dim)")
     ap.add_argument("--channels", type=int, default=512, help="H*Dv")
+    ap.add_argument("--only", type=int, nargs="+", help="indices of the GEMMs to time (default: all six)")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -54,7 +55,8 @@ def main():
                    "triton.enable_persistent_tma_matmul": False},
     }
     print(f"  {'GEMM':40s} " + " ".join(f"{v:>20s}" for v in variants) + "  winner", flush=True)
-    for name, fn, shapes, (m, k, n) in gemms(args.rows, args.embedding, args.width, args.channels):
+    todo = gemms(args.rows, args.embedding, args.width, args.channels)
+    for name, fn, shapes, (m, k, n) in [todo[i] for i in (args.only or range(len(todo)))]:
         ops_ = [torch.randn(s, device=dev, dtype=dt, generator=g) for s in shapes]
         ref = fn(*ops_)
         fl = 2 * m * k * n
