@@ -28,7 +28,7 @@ deterministic: bool = os.environ.get("HSTU_INDUCTOR_DETERMINISTIC", "0") == "1"
 #: more activation memory) or "recompute" them (``hstu.stu_preprocess`` / ``hstu.stu_output``; a
 #: LayerNorm, a u-column matmul and the output block's norm kernel more per layer).
 #: The default was chosen by measurement (benchmarks/RESULTS.md, "save or recompute").
-block_backward: str = os.environ.get("HSTU_INDUCTOR_BLOCK_BACKWARD", "recompute")
+block_backward: str = os.environ.get("HSTU_INDUCTOR_BLOCK_BACKWARD", "save")
 
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"

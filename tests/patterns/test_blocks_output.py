@@ -90,14 +90,18 @@ class TestOutputSpellings(TestCase):
     def test_reference_layer_norm(self):
         m = RefOutput()
         self.assertExpectedInline(self._graph(m, *_inputs(), spelling="u*layer_norm(attn) -> linear+bias -> + x"),
-                                  """stu_output_default = hstu.stu_output(arg4_1, arg5_1, arg6_1, arg0_1, arg1_1, 1e-06, 0, arg2_1, arg3_1, False)""")
+                                  """\
+stu_output_save_default = hstu.stu_output_save(arg4_1, arg5_1, arg6_1, arg0_1, arg1_1, 1e-06, 0, arg2_1, arg3_1, False)
+getitem_3 = getitem(stu_output_save_default, 0)""")
         self._numerics(m)
 
     def test_reference_group_norm_concat(self):
         m = RefOutput(concat_ua=True, group_norm=True)
         self.assertExpectedInline(self._graph(m, *_inputs(),
                                               spelling="cat[u, attn, u*group_norm(attn)] -> linear+bias -> + x"),
-                                  """stu_output_default = hstu.stu_output(arg4_1, arg5_1, arg6_1, arg0_1, arg1_1, 1e-06, 2, arg2_1, arg3_1, True)""")
+                                  """\
+stu_output_save_default = hstu.stu_output_save(arg4_1, arg5_1, arg6_1, arg0_1, arg1_1, 1e-06, 2, arg2_1, arg3_1, True)
+getitem_3 = getitem(stu_output_save_default, 0)""")
         self._numerics(m)
 
     def test_reference_dropout_in_eval(self):
@@ -113,12 +117,15 @@ class TestOutputSpellings(TestCase):
         self.assertExpectedInline(self._graph(m, *_inputs(), spelling="layer_norm(attn)*u -> matmul -> + x"),
                                   """\
 t_default = t(arg4_1)
-stu_output_default = hstu.stu_output(arg2_1, arg3_1, arg5_1, arg0_1, arg1_1, 0.001, 0, t_default, None, False)""")
+stu_output_save_default = hstu.stu_output_save(arg2_1, arg3_1, arg5_1, arg0_1, arg1_1, 0.001, 0, t_default, None, False)
+getitem_3 = getitem(stu_output_save_default, 0)""")
         self._numerics(m)
 
     def test_modules_dropout_eval(self):
         m = ModulesDropoutEval().eval()
-        self.assertExpectedInline(self._graph(m, *_inputs()), """stu_output_default = hstu.stu_output(arg0_1, arg1_1, arg4_1, None, None, 1e-05, 0, arg2_1, arg3_1, False)""")
+        self.assertExpectedInline(self._graph(m, *_inputs()), """\
+stu_output_save_default = hstu.stu_output_save(arg0_1, arg1_1, arg4_1, None, None, 1e-05, 0, arg2_1, arg3_1, False)
+getitem_3 = getitem(stu_output_save_default, 0)""")
         check_compiled(m, *_inputs(), train=True, counts={"output": 1})  # eval mode, grads still flow
 
     def test_bias_added_after_residual(self):
@@ -126,8 +133,9 @@ stu_output_default = hstu.stu_output(arg2_1, arg3_1, arg5_1, arg0_1, arg1_1, 0.0
         self.assertExpectedInline(self._graph(m, *_inputs(), spelling="u*layer_norm(attn) -> matmul -> + x"),
                                   """\
 t_default = t(arg2_1)
-stu_output_default = hstu.stu_output(arg0_1, arg1_1, arg3_1, None, None, 1e-05, 0, t_default, None, False)
-add_1 = add.Tensor(stu_output_default, arg4_1)""")
+stu_output_save_default = hstu.stu_output_save(arg0_1, arg1_1, arg3_1, None, None, 1e-05, 0, t_default, None, False)
+getitem_3 = getitem(stu_output_save_default, 0)
+add_1 = add.Tensor(getitem_3, arg4_1)""")
         self._numerics(m)
 
     def test_bf16_upcast(self):
@@ -192,17 +200,18 @@ class TestOutputNearMisses(TestCase):
 
 
 class TestOutputBackwardModes(TestCase):
-    """``config.block_backward="save"`` emits ``stu_output_save`` (the backward reads the forward's
-    projection input and statistics); results are the same as eager."""
+    """``config.block_backward``: "save" (default, the spelling tests above) emits
+    ``stu_output_save`` (the backward reads the forward's projection input and statistics);
+    "recompute" emits ``stu_output``. Both equal eager."""
 
-    def test_save_mode_graph_and_results(self):
+    def test_recompute_mode_graph_and_results(self):
         for m in (RefOutput(), RefOutput(concat_ua=True, group_norm=True)):
-            with hstu_inductor.config.patch(block_backward="save"):
+            with hstu_inductor.config.patch(block_backward="recompute"):
                 graphs, report = rewritten(m, *_inputs())
                 self.assertEqual(report.counts["output"], 1, str(report))
                 g = summary(graphs[0])
-                self.assertIn("= hstu.stu_output_save(arg", g)
-                self.assertIn("= getitem(stu_output_save_default, 0)", g)
+                self.assertIn("= hstu.stu_output(arg", g)
+                self.assertNotIn("stu_output_save", g)
                 check_compiled(m, *_inputs(seed=2), train=True, counts={"output": 1})
                 m.eval()
                 check_compiled(m, *_inputs(seed=3), train=False, counts={"output": 1})
@@ -243,16 +252,17 @@ class TestOutputTrainingDropout(TestCase):
         self.assertIn("dropout(train, p=0.3)", report.details[0][1])
         self.assertExpectedInline(summary(graphs[0]), """\
 randint_low = randint.low(-4611686018427387904, 4611686018427387904, [], dtype=torch.int64, device=device(type='cpu'))
-stu_output_default = hstu.stu_output(arg2_1, arg3_1, arg6_1, arg0_1, arg1_1, 1e-05, 0, arg4_1, arg5_1, False, 0.3, randint_low)""")
+stu_output_save_default = hstu.stu_output_save(arg2_1, arg3_1, arg6_1, arg0_1, arg1_1, 1e-05, 0, arg4_1, arg5_1, False, 0.3, randint_low)
+getitem_5 = getitem(stu_output_save_default, 0)""")
 
     def test_mask_values_and_gradients(self):
         self._check_mask_values_and_gradients()
 
-    def test_mask_values_and_gradients_save_mode(self):
-        # block_backward="save": the backward reads the forward's dropped y instead of regenerating it
-        with hstu_inductor.config.patch(block_backward="save"):
+    def test_mask_values_and_gradients_recompute_mode(self):
+        # block_backward="recompute": the backward regenerates the dropped y from the seed
+        with hstu_inductor.config.patch(block_backward="recompute"):
             graphs, report = rewritten(self._model(), *self._inputs(5))
-            self.assertIn("hstu.stu_output_save(", summary(graphs[0]))
+            self.assertIn("= hstu.stu_output(", summary(graphs[0]))
             self._check_mask_values_and_gradients()
 
     def _check_mask_values_and_gradients(self):

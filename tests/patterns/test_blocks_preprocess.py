@@ -125,11 +125,11 @@ class TestPreprocessSpellings(TestCase):
         m = RefPreprocess()
         self.assertExpectedInline(self._graph(m, _x(), spelling="layer_norm -> addmm -> split -> silu(u)"), """\
 t_default = t(arg2_1)
-stu_preprocess_default = hstu.stu_preprocess(arg4_1, arg0_1, arg1_1, 1e-06, t_default, arg3_1, 8, 6, False)
-getitem_7 = getitem(stu_preprocess_default, 0)
-getitem_8 = getitem(stu_preprocess_default, 1)
-getitem_9 = getitem(stu_preprocess_default, 2)
-getitem_10 = getitem(stu_preprocess_default, 3)
+stu_preprocess_save_default = hstu.stu_preprocess_save(arg4_1, arg0_1, arg1_1, 1e-06, t_default, arg3_1, 8, 6, False)
+getitem_7 = getitem(stu_preprocess_save_default, 0)
+getitem_8 = getitem(stu_preprocess_save_default, 1)
+getitem_9 = getitem(stu_preprocess_save_default, 2)
+getitem_10 = getitem(stu_preprocess_save_default, 3)
 view = view(getitem_8, [7, 2, 4])
 view_1 = view(getitem_9, [7, 2, 3])
 view_2 = view(getitem_10, [7, 2, 3])
@@ -142,11 +142,11 @@ add = add.Tensor(view_1, 1)""")
         m = ModulesChunk()
         self.assertExpectedInline(self._graph(m, _x(), spelling="layer_norm -> linear+bias -> chunk -> silu(u)"),
                                   """\
-stu_preprocess_default = hstu.stu_preprocess(arg2_1, arg0_1, arg1_1, 1e-05, arg3_1, arg4_1, 8, 8, False)
-getitem_7 = getitem(stu_preprocess_default, 0)
-getitem_8 = getitem(stu_preprocess_default, 1)
-getitem_9 = getitem(stu_preprocess_default, 2)
-getitem_10 = getitem(stu_preprocess_default, 3)""")
+stu_preprocess_save_default = hstu.stu_preprocess_save(arg2_1, arg0_1, arg1_1, 1e-05, arg3_1, arg4_1, 8, 8, False)
+getitem_7 = getitem(stu_preprocess_save_default, 0)
+getitem_8 = getitem(stu_preprocess_save_default, 1)
+getitem_9 = getitem(stu_preprocess_save_default, 2)
+getitem_10 = getitem(stu_preprocess_save_default, 3)""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
 
@@ -154,11 +154,11 @@ getitem_10 = getitem(stu_preprocess_default, 3)""")
         m = SlicesSigmoid()
         self.assertExpectedInline(self._graph(m, _x(), spelling="layer_norm -> linear -> slices -> x*sigmoid(x)(u)"),
                                   """\
-stu_preprocess_default = hstu.stu_preprocess(arg0_1, None, None, 0.001, arg1_1, None, 8, 6, False)
-getitem_3 = getitem(stu_preprocess_default, 0)
-getitem_4 = getitem(stu_preprocess_default, 1)
-getitem_5 = getitem(stu_preprocess_default, 2)
-getitem_6 = getitem(stu_preprocess_default, 3)""")
+stu_preprocess_save_default = hstu.stu_preprocess_save(arg0_1, None, None, 0.001, arg1_1, None, 8, 6, False)
+getitem_3 = getitem(stu_preprocess_save_default, 0)
+getitem_4 = getitem(stu_preprocess_save_default, 1)
+getitem_5 = getitem(stu_preprocess_save_default, 2)
+getitem_6 = getitem(stu_preprocess_save_default, 3)""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
 
@@ -167,11 +167,11 @@ getitem_6 = getitem(stu_preprocess_default, 3)""")
         self.assertExpectedInline(self._graph(m, _x(), spelling="layer_norm -> matmul + bias -> split -> silu before split(all)"),
                                   """\
 t_default = t(arg3_1)
-stu_preprocess_default = hstu.stu_preprocess(arg2_1, arg0_1, arg1_1, 1e-05, t_default, arg4_1, 8, 6, True)
-getitem_7 = getitem(stu_preprocess_default, 0)
-getitem_8 = getitem(stu_preprocess_default, 1)
-getitem_9 = getitem(stu_preprocess_default, 2)
-getitem_10 = getitem(stu_preprocess_default, 3)
+stu_preprocess_save_default = hstu.stu_preprocess_save(arg2_1, arg0_1, arg1_1, 1e-05, t_default, arg4_1, 8, 6, True)
+getitem_7 = getitem(stu_preprocess_save_default, 0)
+getitem_8 = getitem(stu_preprocess_save_default, 1)
+getitem_9 = getitem(stu_preprocess_save_default, 2)
+getitem_10 = getitem(stu_preprocess_save_default, 3)
 view = view(getitem_8, [7, 2, 4])""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
@@ -179,11 +179,11 @@ view = view(getitem_8, [7, 2, 4])""")
     def test_silu_each_chunk_after_view(self):
         m = SiluEachChunkAfterView()
         self.assertExpectedInline(self._graph(m, _x(), spelling="layer_norm -> linear -> split -> silu(all)"), """\
-stu_preprocess_default = hstu.stu_preprocess(arg0_1, None, None, 1e-05, arg1_1, None, 8, 6, True)
-getitem_7 = getitem(stu_preprocess_default, 0)
-getitem_8 = getitem(stu_preprocess_default, 1)
-getitem_9 = getitem(stu_preprocess_default, 2)
-getitem_10 = getitem(stu_preprocess_default, 3)
+stu_preprocess_save_default = hstu.stu_preprocess_save(arg0_1, None, None, 1e-05, arg1_1, None, 8, 6, True)
+getitem_7 = getitem(stu_preprocess_save_default, 0)
+getitem_8 = getitem(stu_preprocess_save_default, 1)
+getitem_9 = getitem(stu_preprocess_save_default, 2)
+getitem_10 = getitem(stu_preprocess_save_default, 3)
 view_1 = view(getitem_7, [-1, 2, 4])""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
@@ -201,11 +201,11 @@ view_1 = view(getitem_7, [-1, 2, 4])""")
         self.assertExpectedInline(self._graph(m, x, spelling="layer_norm(fp32) -> addmm -> split -> silu(u)"),
                                   """\
 t_default = t(arg2_1)
-stu_preprocess_default = hstu.stu_preprocess(arg4_1, arg0_1, arg1_1, 1e-06, t_default, arg3_1, 8, 6, False)
-getitem_7 = getitem(stu_preprocess_default, 0)
-getitem_8 = getitem(stu_preprocess_default, 1)
-getitem_9 = getitem(stu_preprocess_default, 2)
-getitem_10 = getitem(stu_preprocess_default, 3)
+stu_preprocess_save_default = hstu.stu_preprocess_save(arg4_1, arg0_1, arg1_1, 1e-06, t_default, arg3_1, 8, 6, False)
+getitem_7 = getitem(stu_preprocess_save_default, 0)
+getitem_8 = getitem(stu_preprocess_save_default, 1)
+getitem_9 = getitem(stu_preprocess_save_default, 2)
+getitem_10 = getitem(stu_preprocess_save_default, 3)
 view = view(getitem_8, [7, 2, 4])
 view_1 = view(getitem_9, [7, 2, 3])
 view_2 = view(getitem_10, [7, 2, 3])
@@ -215,16 +215,18 @@ add = add.Tensor(view_1, 1)""")
 
 
 class TestPreprocessBackwardModes(TestCase):
-    """``config.block_backward="save"`` emits ``stu_preprocess_save`` (the backward reads the
-    forward's normalised x, statistics and pre-activations); results are the same as eager."""
+    """``config.block_backward``: "save" (default, the spelling tests above) emits
+    ``stu_preprocess_save`` (the backward reads the forward's normalised x, statistics and
+    pre-activations); "recompute" emits ``stu_preprocess``. Both equal eager."""
 
-    def test_save_mode_graph_and_results(self):
+    def test_recompute_mode_graph_and_results(self):
         for m, silu_all in ((RefPreprocess(), False), (MatmulSiluAll(), True)):
-            with hstu_inductor.config.patch(block_backward="save"):
+            with hstu_inductor.config.patch(block_backward="recompute"):
                 graphs, report = rewritten(m, _x())
                 self.assertEqual(report.counts["preprocess"], 1, str(report))
                 g = summary(graphs[0])
-                self.assertIn(f"hstu.stu_preprocess_save(arg", g)
+                self.assertIn("= hstu.stu_preprocess(arg", g)
+                self.assertNotIn("stu_preprocess_save", g)
                 self.assertIn(f", {silu_all})", g)
                 check_compiled(m, _x(seed=2), train=True, counts={"preprocess": 1})
                 check_compiled(m, _x(seed=3), train=False, counts={"preprocess": 1})
