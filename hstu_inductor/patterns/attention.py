@@ -211,9 +211,22 @@ def walk_operand(node):
     return cur, ops, factor
 
 
-def walk_forward(node):
-    """Follow ``node`` forward through single-user layout ops and scalar multiplies."""
+def _sym_scalar(a):
+    """The sympy value of a SymInt graph node (``x / N`` with a symbolic N), else None."""
+    val = _val(a)
+    return sym_expr(val) if isinstance(val, torch.SymInt) else None
+
+
+def walk_forward(node, sym=False):
+    """Follow ``node`` forward through single-user layout ops and scalar multiplies. ``sym``:
+    also by SymInt nodes (the factor is then a sympy expression; callers must prove it)."""
     ops, factor, cur = [], 1.0, node
+
+    def scalar(u, a):
+        if _scalar_of(u, a) is not None:
+            return a
+        return _sym_scalar(a) if sym and isinstance(a, torch.fx.Node) else None
+
     while len(cur.users) == 1:
         u = next(iter(cur.users))
         if lay.is_layout_node(u) and u.args[0] is cur:
@@ -222,13 +235,13 @@ def walk_forward(node):
             continue
         if u.op == "call_function" and u.target in _SCALAR_MUL | _SCALAR_DIV and len(u.args) == 2:
             a0, a1 = u.args
-            if a0 is cur and _scalar_of(u, a1) is not None:
-                factor = factor * a1 if u.target in _SCALAR_MUL else factor / a1
+            if a0 is cur and (c := scalar(u, a1)) is not None:
+                factor = factor * c if u.target in _SCALAR_MUL else factor / c
                 ops.append(u)
                 cur = u
                 continue
-            if u.target in _SCALAR_MUL and a1 is cur and _scalar_of(u, a0) is not None:
-                factor = factor * a0
+            if u.target in _SCALAR_MUL and a1 is cur and (c := scalar(u, a0)) is not None:
+                factor = factor * c
                 ops.append(u)
                 cur = u
                 continue
@@ -312,7 +325,7 @@ class Plan:
     v: Operand
     offsets: torch.fx.Node
     num_targets: Optional[torch.fx.Node]
-    N: int
+    N: int                       # or a sympy expression of graph symbols (symbolic max length)
     alpha: float = 1.0
     scale: Optional[float] = None           # constant scale (None: 1/N)
     scale_node: Optional[torch.fx.Node] = None  # attn_scale input (times scale_factor)
@@ -328,6 +341,9 @@ class Plan:
     dense: bool = False          # no unpad: ``out`` is the dense [B, N, ...] / [B*N, ...] output
     rest_shape: list = None      # feature sizes of the dense output
     offsets_arg: Optional[torch.fx.Node] = None  # the offsets node passed to the op (rewrite)
+    N_node: object = None        # symbolic N: the node holding it, or (graph input, dim) of a size
+    N_arg: object = None         # the op's max_seq_len argument (rewrite)
+    scale_per_n: bool = False    # symbolic N: the op's scale is ``scale`` (or the scale input) / N
 
 
 def _modes_of_axes(dim, prefix):
@@ -574,6 +590,40 @@ def value_modes(Y, nkey):
     return e_modes
 
 
+def symbolic_n(Nexpr, B, rows, q_D, name):
+    """The node holding a symbolic max length ``N`` (padded size ``B * N * features``), to pass
+    to the op at runtime: a SymInt input, a size read, or a SymInt the pad itself uses. ``N`` must
+    be one symbol's polynomial that shares no symbol with ``B`` / ``L``: the probes bind it
+    independently (to several values) through that symbol."""
+    if sympy.fraction(Nexpr)[1] != 1 or len(Nexpr.free_symbols) != 1:
+        raise Decline(f"padded size of {name} is not B * N * features for N a constant or a "
+                      f"polynomial of one symbol ({Nexpr})")
+    others = sym_expr(B).free_symbols.union(*(sym_expr(r).free_symbols for r in rows))
+    if Nexpr.free_symbols & others:
+        raise Decline(f"symbolic N={Nexpr} shares a symbol with the batch size or the jagged length "
+                      f"(the probes cannot vary N alone)")
+
+    def holds_n(n):
+        val = _val(n)
+        return isinstance(val, torch.SymInt) and sympy.expand(sym_expr(val) - Nexpr) == 0
+
+    graph = q_D.graph
+    found = [n for n in graph.nodes if n.op == "placeholder" and holds_n(n)]
+    found += [n for n in graph.nodes if n.target is aten.sym_size.int and n.args[0].op == "placeholder"
+              and holds_n(n)]
+    order, leaves = closure([q_D], set())
+    found += [n for n in [*order, *leaves] if holds_n(n)]  # used by the pad: defined before the output
+    if found:
+        return found[0]
+    for n in graph.nodes:  # a graph input's size, e.g. a padded tensor marked dynamic
+        val = _val(n)
+        if n.op == "placeholder" and isinstance(val, torch.Tensor):
+            for d, s in enumerate(val.shape):
+                if isinstance(s, torch.SymInt) and sympy.expand(sym_expr(s) - Nexpr) == 0:
+                    return (n, d)
+    raise Decline(f"no graph input carries the symbolic N={Nexpr} of the padded {name}")
+
+
 def analyse(S, pv, lengths=False) -> Plan:
     """Structural part of the proof. Raises Decline. ``lengths``: read the jagged integer input as
     per-sequence lengths rather than offsets."""
@@ -599,9 +649,13 @@ def analyse(S, pv, lengths=False) -> Plan:
     for s in _val(q.D).shape:
         numel = numel * sym_expr(s)
     Nexpr = sympy.cancel(numel / (B * math.prod(fq)))
-    if not Nexpr.is_Integer or int(Nexpr) <= 0:
-        raise Decline(f"padded size of {q.src.name} is not B * N * features for a constant N ({Nexpr})")
-    N = plan.N = int(Nexpr)
+    if Nexpr.is_Integer:
+        if int(Nexpr) <= 0:
+            raise Decline(f"padded size of {q.src.name} is not B * N * features for a constant N ({Nexpr})")
+        N = plan.N = int(Nexpr)
+    else:
+        N = plan.N = Nexpr
+        plan.N_node = symbolic_n(Nexpr, B, [_val(x.src).shape[0] for x in (q, k, v)], q.D, q.src.name)
 
     for x, f, axes in ((q, fq, axq), (k, fk, axq), (v, fv, axv)):
         operand_layout(x, B, N, f, axes)
@@ -612,7 +666,7 @@ def analyse(S, pv, lengths=False) -> Plan:
     A, K = q.layout, k.layout
     if len(A) != 3 or len(K) != 3:
         raise Decline("score product operands are not 3-D")
-    nmode = ((sympy.Integer(N), "n", sympy.Integer(1)),)
+    nmode = ((lay.to_expr(N), "n", sympy.Integer(1)),)
     bkey = _key((B, "b", sympy.Integer(1)))
     if _dimkey(A[1]) != tuple(_key(m) for m in nmode) or _dimkey(K[2]) != tuple(_key(m) for m in nmode):
         raise Decline("score product does not pair query rows with key rows of the padded sequences")
@@ -639,8 +693,8 @@ def score_subgraph(plan: Plan, Xnode, rows=None):
     S = plan.S
     Zd = plan._Z
     N = plan.N
-    rows = sympy.Integer(N) if rows is None else rows
-    S_layout = (tuple(Zd), ((rows, "i", sympy.Integer(1)),), ((sympy.Integer(N), "j", sympy.Integer(1)),))
+    rows = lay.to_expr(N) if rows is None else rows
+    S_layout = (tuple(Zd), ((rows, "i", sympy.Integer(1)),), ((lay.to_expr(N), "j", sympy.Integer(1)),))
     order, leaves = closure([Xnode], {S})
     sderived, layouts = {S}, {S: S_layout}
     for n in order:
@@ -694,6 +748,7 @@ _MAX_PROBE_ELEMS = 6e7   # per probe, summed over the evaluated nodes: the full 
 _MAX_LARGE_PROBE_ELEMS = 3e9  # up to this, fewer probes when memory allows (N=2048 needs ~8e8)
 _PROBES = 10
 _LARGE_PROBES = 4  # the first probes of make_probes already hold the edge lengths 0, 1 and N
+_SYM_PROBES_PER_N = 5  # symbolic N: per probe value of N (edge lengths 0, 1, N-1, N and one random)
 
 
 def prove(gm, S, pv) -> Plan:
@@ -725,8 +780,8 @@ def _prove(gm, S, pv, lengths) -> Plan:
     XL = layouts[Xnode]
     if len(XL) != 3:
         raise Decline("value product left operand is not 3-D")
-    ikey = ((str(N), "i", "1"),)
-    jkey = ((str(N), "j", "1"),)
+    ikey = ((str(sympy.expand(lay.to_expr(N))), "i", "1"),)
+    jkey = ((str(sympy.expand(lay.to_expr(N))), "j", "1"),)
     if _dimkey(XL[1]) != ikey or _dimkey(XL[2]) != jkey:
         raise Decline("value product does not contract the scores over key rows")
     XZ = lay.normalize_dim(XL[0])
@@ -786,7 +841,7 @@ def _prove(gm, S, pv, lengths) -> Plan:
             raise Decline("unpad output is not used as a tensor")
         out = gets[0]
     plan.out = out
-    OL = (layouts[Xnode][0], ((sympy.Integer(N), "i", sympy.Integer(1)),), plan._Y[2])
+    OL = (layouts[Xnode][0], ((lay.to_expr(N), "i", sympy.Integer(1)),), plan._Y[2])
     for op in o_ops:  # layouts of the dense operands of the row scales, for the numeric proof
         if op in pre:
             pre[op].layout = OL
@@ -795,7 +850,7 @@ def _prove(gm, S, pv, lengths) -> Plan:
                                              after_unpad(out, plan))
     scale_leaf = scale_leaf or next((m.leaf for m in post.values() if m.leaf is not None), None)
     first = lay.normalize_dim(OL[0]) if OL else ()
-    bi = (_key((B, "b", sympy.Integer(1))), _key((sympy.Integer(N), "i", sympy.Integer(1))))
+    bi = (_key((B, "b", sympy.Integer(1))), _key((lay.to_expr(N), "i", sympy.Integer(1))))
     if tuple(map(_key, first)) == bi:
         rest = OL[1:]
     elif len(OL) >= 2 and tuple(map(_key, first)) == bi[:1] and _dimkey(OL[1]) == bi[1:]:
@@ -817,6 +872,8 @@ def _prove(gm, S, pv, lengths) -> Plan:
     plan.rest_shape = [int(s) for s in rest_shape] if all(s.is_Integer for s in rest_shape) else None
     if plan.dense and plan.rest_shape is None:
         raise Decline("dense attention output has symbolic feature dims")
+    if plan.dense and not all(is_static(s) or lay.eq(s, N) for s in _val(out).shape[1:]):
+        raise Decline("dense attention output has symbolic sizes other than N")
 
     # ---- extra users: intermediates must stay inside the candidate
     region = set()
@@ -913,7 +970,7 @@ def output_chain(pv, plan):
     (``dict`` node -> RowScale) to the dense tensor read by the unpad."""
     ops, factor, cur, scales = [], 1.0, pv, {}
     while True:
-        cur, step, f = walk_forward(cur)
+        cur, step, f = walk_forward(cur, sym=not isinstance(plan.N, int))
         ops += step
         factor *= f
         m = row_scale(cur, plan)
@@ -1009,14 +1066,27 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
     sym_leaves = [n for n in gm.graph.nodes if isinstance(_val(n), torch.SymInt)
                   and (n.op == "placeholder" or n.target is aten.sym_size.int)]
 
-    probes = make_probes(N, int(B) if B_static else None, int(Lq) if L_static else None, _PROBES, seed=1234)
+    sym_n = not isinstance(N, int)
+    Bs, Ls = int(B) if B_static else None, int(Lq) if L_static else None
+    floats, ints = scalar_constants(s_order)
+    if sym_n:
+        side_floats, side_ints = scalar_constants([n for order in sides.values() for n in order])
+        Ns = probe_ns(plan, base, floats | side_floats, ints | side_ints, Bs, Ls)
+        probes = []
+        for idx, Nv in enumerate(Ns):
+            sets = make_probes(Nv, Bs, Ls, _SYM_PROBES_PER_N, seed=1234 + idx)
+            if Ls is None:  # one probe per N without a sequence of length N: the scale is fitted per
+                sets[2] = [min(n, Nv - 1) for n in sets[2]]  # probe, so 1/max(lengths) must not look like 1/N
+            probes += [(Nv, lengths) for lengths in sets]
+    else:
+        probes = [(N, lengths) for lengths in make_probes(N, Bs, Ls, _PROBES, seed=1234)]
     rng = random.Random(99)
     gen = torch.Generator().manual_seed(4321)
-    floats, ints = scalar_constants(s_order)
     alphas = sorted({1.0} | {c for c in floats if c != 0} | {1.0 / c for c in floats if c != 0})
-    mask_ints = {i for i in ints if 0 < i <= N + 1}
+    mask_ints = {i for i in ints if 0 < i <= max(Nv for Nv, _ in probes) + 1}
     chosen = None
-    for p, lengths in enumerate(probes):
+    consts = []  # symbolic N: (N, fitted score constant, binding) per probe
+    for p, (Np, lengths) in enumerate(probes):
         Bp, Lp = len(lengths), sum(lengths)
         pairs = [(sym_expr(_val(plan.offsets).shape[0]), Bp + (0 if plan.lengths else 1))]
         pairs += [(sym_expr(_val(x.src).shape[0]), Lp) for x in (q, k, v)]
@@ -1024,6 +1094,12 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
             pairs.append((sym_expr(_val(scale_leaf).shape[0]), Lp))
         if plan.num_targets is not None:
             pairs.append((sym_expr(_val(plan.num_targets).shape[0]), Bp))
+        if sym_n:
+            shared = N.free_symbols & set().union(*(sym_expr(e).free_symbols for e, _ in pairs))
+            if shared:
+                raise Decline(f"symbolic N={N} shares a symbol with the sizes of the jagged inputs "
+                              f"(the probes cannot vary N alone)")
+            pairs.append((N, Np))
         binding = solve_binding(pairs, base)
         off = torch.tensor([0] + list(itertools_accumulate(lengths)), dtype=_val(plan.offsets).dtype)
         lens = torch.tensor(lengths, dtype=torch.int64)
@@ -1042,6 +1118,9 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
             val = _val(n)
             if isinstance(val, torch.Tensor):
                 cost += math.prod(concrete(s, binding) for s in val.shape)
+        if cost > _MAX_PROBE_ELEMS and sym_n:
+            raise Decline(f"too large to prove numerically at N={Np} ({cost:.2g} elements per probe; "
+                          f"symbolic N is probed above every integer constant of the score subgraph)")
         if cost > _MAX_PROBE_ELEMS:
             if cost > _MAX_LARGE_PROBE_ELEMS or not _large_proof_ok(cost):
                 raise Decline(f"too large to prove numerically ({cost:.2g} elements per probe"
@@ -1056,9 +1135,9 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
             src = _rand(shape, gen)
             env = evaluate(gm, order, {**env0, x.src: src})
             got = env[x.D]
-            ref = reference_pad(src, off, N)
+            ref = reference_pad(src, off, Np)
             if got.numel() != ref.numel() or not torch.equal(got.reshape(-1).to(torch.float64), ref.reshape(-1)):
-                raise Decline(f"pad of {x.src.name} is not jagged_to_padded(offsets, N={N}) with zero padding")
+                raise Decline(f"pad of {x.src.name} is not jagged_to_padded(offsets, N={Np}) with zero padding")
 
         # scores -> X
         Sc = lay.concretize(S_layout, binding)
@@ -1081,13 +1160,20 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
             raise Decline("scores are not finite on padding positions (e.g. -inf masking)")
         s_at = scalar_scale(scale_probe if chain_scale else None)
         if s_at is None:
-            s_at = lay.gather(reference_pad(scale_probe, off, N), (((Bp, "b", 1),), ((N, "i", 1),)),
+            s_at = lay.gather(reference_pad(scale_probe, off, Np), (((Bp, "b", 1),), ((Np, "i", 1),)),
                               crd).expand(X.shape)
         if chosen is None:
-            chosen = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, N, alphas, mask_ints,
+            chosen = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
                           plan.num_targets is not None)
         alpha, c0, params = chosen
-        mref = reference_mask(lens, N, targets, params)[bb, ii, jj].expand(X.shape)
+        if sym_n:  # the constant may scale with N (1/N): fitted per probe, its N-law checked below
+            try:
+                _, c0 = fit_alpha(X, S_at, s_at, (X != 0) & in_seq, [alpha])
+            except Decline:
+                raise Decline(f"scores at N={Np} are not c * silu(alpha * qk) with the alpha={alpha:g} found at "
+                              f"N={probes[0][0]} (alpha depends on N?)") from None
+            consts.append((Np, c0, binding))
+        mref = reference_mask(lens, Np, targets, params)[bb, ii, jj].expand(X.shape)
         expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
         if not close(torch.where(in_seq, X, 0.0), torch.where(in_seq, expect, 0.0)):
             raise Decline(f"scores differ from mask * scale * silu(alpha * qk) on probe {p} (lengths {lengths})")
@@ -1102,10 +1188,10 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
             env = evaluate(gm, u_order, {**env0, Odense: O_probe})
             got = env[plan.out]
             rest = [concrete(s, binding) for s in rest_shape]
-            flat = O_probe.reshape(Bp * N, *rest)
+            flat = O_probe.reshape(Bp * Np, *rest)
             seq = torch.repeat_interleave(torch.arange(Bp), lens)
             pos = torch.arange(Lp) - off[:-1].to(torch.int64)[seq]
-            if not (got.shape == (Lp, *rest) and torch.equal(got.to(torch.float64), flat[seq * N + pos])):
+            if not (got.shape == (Lp, *rest) and torch.equal(got.to(torch.float64), flat[seq * Np + pos])):
                 raise Decline("unpad does not read row (b, n) of the dense output for every jagged row")
 
         # row scales: factor == c * s_row ** power on every row the unpad reads
@@ -1113,7 +1199,7 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
             if m.node in post and list(post).index(m.node) >= post_ok:
                 continue
             try:
-                _check_row_scale(gm, m, sides[m.node], env0, binding, scale_probe, off, lens, N, p, plan.dense)
+                _check_row_scale(gm, m, sides[m.node], env0, binding, scale_probe, off, lens, Np, p, plan.dense)
             except Decline:
                 if m.node not in post:
                     raise
@@ -1127,11 +1213,59 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
         plan.out = kept[-1].node
     if not chain_scale and not any(m.power for m in kept):
         scale_leaf = None
+    if sym_n:
+        factor, plan.scale_per_n = n_law(consts, v.factor * fo * math.prod(m.c for m in kept))
+        if scale_leaf is None:
+            plan.scale = None if plan.scale_per_n and abs(factor - 1.0) <= 1e-9 else factor
+            plan.scale_per_n = plan.scale_per_n and plan.scale is not None
+        else:
+            plan.scale_node, plan.scale_factor = scale_leaf, factor
+        return
     factor = c0 * v.factor * fo * math.prod(m.c for m in kept)
     if scale_leaf is None:
         plan.scale = None if abs(factor * N - 1.0) <= 1e-9 else float(factor)
     else:
         plan.scale_node, plan.scale_factor = scale_leaf, float(factor)
+
+
+def probe_ns(plan, base, floats, ints, B, L) -> list:
+    """Probe values of a symbolic ``N``, largest first (the mask and alpha are fitted there): the
+    compile-time hint when small; 2 (the smallest N of a dynamic graph: catches a scale or mask
+    clamped for small N), 5 and 12; and one above every integer constant of the score subgraph,
+    so that a constant window / contextual length / threshold acts inside some probe (below it,
+    it would look like "no window" at every probe N). Static ``B`` and ``L`` need ``B*N >= L``."""
+    consts = [abs(i) for i in ints] + [abs(f) for f in floats if float(f).is_integer()]
+    big = int(max(consts, default=0))
+    nmin = -(-L // B) if L is not None and B is not None else 2
+    ns = {2, 5, 12, big + 2}
+    hint = concrete(plan.N, base)
+    if 2 <= hint <= 64:
+        ns.add(hint)
+    ns = {max(n, nmin) for n in ns}
+    while len(ns) < 3:
+        ns.add(max(ns) + 3)
+    return sorted(ns, reverse=True)
+
+
+def n_law(consts, rest) -> tuple:
+    """``(k, per_n)``: the total scale (score constant per probe times ``rest``, the value/output
+    factors, which may hold N) is the constant ``k`` at every probe N, or ``k / N`` at every one.
+    Probes span at least two N values, so the two laws cannot both hold."""
+    totals = []
+    for Nv, c, binding in consts:
+        r = sympy.sympify(rest).subs(binding)
+        if not r.is_number:
+            raise Decline(f"output scale {rest} depends on sizes other than N")
+        totals.append((Nv, c * float(r)))
+    if len({Nv for Nv, _ in totals}) < 2:
+        raise Decline("symbolic N was probed at a single value")
+    N0, t0 = totals[0]
+    if all(math.isclose(t, t0, rel_tol=1e-9) for _, t in totals):
+        return float(t0), False
+    if all(math.isclose(t * Nv, t0 * N0, rel_tol=1e-9) for Nv, t in totals):
+        return float(t0 * N0), True
+    raise Decline("attention scale is neither a constant nor proportional to 1/N across probe values of N "
+                  f"({', '.join(f'N={Nv}: {t:.6g}' for Nv, t in totals[::max(1, len(totals) // 4)])})")
 
 
 def _check_row_scale(gm, m, order, env0, binding, scale_probe, off, lens, N, p, dense=False):
@@ -1303,28 +1437,43 @@ def rewrite(gm, plan: Plan):
             _regroup(graph, _narrowed(graph, k), k.feat, "q", [plan.head_modes, plan.c_modes])
         v3 = _regroup(graph, _narrowed(graph, v), v.feat, "v", [plan.v_head_modes, plan.e_modes])
         dtype = _val(q.src).dtype
+        plan.N_arg = emit_n(graph, plan)
         scale = emit_scale(graph, plan, dtype, _val(q.src).device)
         causal, w, c, f = plan.params
         plan.offsets_arg = emit_offsets(graph, plan)
         y = _emit(graph, torch.ops.hstu.attention.default,
-                  [q3, k3, v3, plan.offsets_arg, plan.N, plan.alpha, plan.num_targets, scale, w, c, f,
+                  [q3, k3, v3, plan.offsets_arg, plan.N_arg, plan.alpha, plan.num_targets, scale, w, c, f,
                    causal])
         replace_output(graph, plan, y, dtype)
 
 
+def emit_n(graph, plan):
+    """The op's ``max_seq_len``: the constant N, or the graph node holding the symbolic N (a size
+    of a graph input is read with ``sym_size``)."""
+    if isinstance(plan.N, int):
+        return plan.N
+    if isinstance(plan.N_node, tuple):
+        return _emit(graph, aten.sym_size.int, list(plan.N_node))
+    return plan.N_node
+
+
 def emit_scale(graph, plan, dtype, device):
     """The ``attn_scale`` argument for the hstu op: the user's scale tensor (cast, times a proven
-    constant factor), a proven scalar as a 0-d tensor, or None for the default 1/N."""
+    constant factor), a proven scalar as a 0-d tensor, or None for the default 1/N. With
+    ``scale_per_n`` (symbolic N) either is divided by the runtime N."""
     if plan.scale_node is not None:
         scale = plan.scale_node
         if _val(scale).dtype != dtype:
             scale = _emit(graph, aten._to_copy.default, [scale], {"dtype": dtype})
         if plan.scale_factor != 1.0:
             scale = _emit(graph, aten.mul.Tensor, [scale, plan.scale_factor])
-        return scale
-    if plan.scale is not None:
-        return _emit(graph, aten.scalar_tensor.default, [plan.scale], {"dtype": dtype, "device": device})
-    return None
+    elif plan.scale is not None:
+        scale = _emit(graph, aten.scalar_tensor.default, [plan.scale], {"dtype": dtype, "device": device})
+    else:
+        return None
+    if plan.scale_per_n:
+        scale = _emit(graph, aten.div.Tensor, [scale, plan.N_arg])
+    return scale
 
 
 def replace_output(graph, plan, y, dtype):
@@ -1354,22 +1503,25 @@ def _pad_rows(graph, plan, x, y):
     rows = _emit(graph, aten.arange.start, [0, L], {"dtype": torch.int64, "device": _val(y).device})
     seq = _emit(graph, aten.sub.Tensor, [_emit(graph, aten.searchsorted.Tensor, [offsets, rows], {"right": True}), 1])
     pos = _emit(graph, aten.sub.Tensor, [rows, _emit(graph, aten.index.Tensor, [offsets, [seq]])])
-    flat = _emit(graph, aten.add.Tensor, [_emit(graph, aten.mul.Tensor, [seq, plan.N]), pos])
+    flat = _emit(graph, aten.add.Tensor, [_emit(graph, aten.mul.Tensor, [seq, plan.N_arg]), pos])
     B = _emit(graph, operator.sub, [_emit(graph, aten.sym_size.int, [offsets, 0]), 1])
-    zeros = _emit(graph, aten.new_zeros.default, [x, [_emit(graph, operator.mul, [B, plan.N]), *plan.rest_shape]])
+    zeros = _emit(graph, aten.new_zeros.default, [x, [_emit(graph, operator.mul, [B, plan.N_arg]), *plan.rest_shape]])
     dense = _emit(graph, aten.index_put.default, [zeros, [flat], x])
-    return _emit(graph, aten.reshape.default, [dense, [-1, *[int(s) for s in _val(plan.out).shape[1:]]]])
+    sizes = [plan.N_arg if not is_static(s) else int(s) for s in _val(plan.out).shape[1:]]  # no int(SymInt): a guard
+    return _emit(graph, aten.reshape.default, [dense, [-1, *sizes]])
 
 
 def describe_scale(plan) -> str:
+    per_n = "/N" if plan.scale_per_n else ""
     if plan.scale_node is not None:
-        return f"attn_scale={plan.scale_node.name}" + (f"*{plan.scale_factor:g}" if plan.scale_factor != 1 else "")
-    return f"scale={plan.scale:g}" if plan.scale is not None else "scale=1/N"
+        return f"attn_scale={plan.scale_node.name}" + (f"*{plan.scale_factor:g}" if plan.scale_factor != 1 else "") \
+            + per_n
+    return f"scale={plan.scale:g}{per_n}" if plan.scale is not None else "scale=1/N"
 
 
 def describe(plan: Plan) -> str:
     causal, w, c, f = plan.params
-    parts = [f"N={plan.N}", f"alpha={plan.alpha:g}", f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
+    parts = [f"N={plan.N}" + ("" if isinstance(plan.N, int) else " (symbolic)"), f"alpha={plan.alpha:g}", f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
     parts.append(describe_scale(plan))
     if plan.num_targets is not None:
         parts.append(f"num_targets={plan.num_targets.name}")

@@ -139,6 +139,9 @@ def _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0):
     for s in A._val(k.D).shape:
         numel = numel * sym_expr(s)
     Nexpr = sympy.cancel(numel / ((sym_expr(A._val(offsets).shape[0]) - 1) * math.prod(fk)))
+    if Nexpr.free_symbols:  # full attention proves symbolic N; the delta probes are written for a constant N
+        raise Decline(f"delta attention with a symbolic max length N={Nexpr} is not supported (N must be "
+                      f"static here)")
     if not Nexpr.is_Integer or int(Nexpr) <= 0:
         raise Decline(f"padded size of {k.src.name} is not B * N * features for a constant N ({Nexpr})")
     N = int(Nexpr)

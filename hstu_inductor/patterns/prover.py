@@ -127,6 +127,8 @@ def evaluate(gm: torch.fx.GraphModule, order: list, env: dict) -> dict:
 def sym_expr(x):
     if isinstance(x, torch.SymInt):
         return x.node.expr
+    if isinstance(x, sympy.Expr):
+        return x
     return sympy.Integer(int(x))
 
 
