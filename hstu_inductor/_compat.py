@@ -5,7 +5,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 __all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options", "guarded", "plain_eager",
-           "njt_view_target", "is_njt"]
+           "njt_view_target", "is_njt", "size_hint"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -72,6 +72,17 @@ def guarded(cond) -> bool:
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
     return bool(cond) if isinstance(cond, bool) else bool(guard_or_false(cond))
+
+
+def size_hint(x) -> int:
+    """An int, or a SymInt's current value *without* adding a guard (for choices that only affect
+    speed, such as an autotuning key: guarding on them would specialise the compiled graph)."""
+    from torch.fx.experimental import symbolic_shapes as ss
+
+    if isinstance(x, int):
+        return x
+    hint = getattr(ss, "optimization_hint", None) or ss.hint_int  # 2.13 / 2.11 spelling
+    return int(hint(x))
 
 
 def plain_eager(*tensors) -> bool:

@@ -84,6 +84,38 @@ def test_backend_attention_matches_reference(dtype):
         assert rel_err(compiled(q, k, v, off, nt).double(), ref) < tol
 
 
+def test_backend_symbolic_max_len():
+    """A max length passed as a changing Python int becomes a SymInt after Dynamo's automatic-dynamic
+    recompile; the dynamic graph must still use our kernels, with the runtime N (mask and 1/N)."""
+    H, D = 2, 64
+    g = torch.Generator().manual_seed(8)
+
+    def attn(q, k, v, off, N):
+        return hstu_mha(N, 1.0 / D, q, k, v, off, causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, backend="hstu")
+    graphs = 0
+    for N in (256, 320, 384):
+        lengths = [N, 1, 0, *torch.randint(N // 2, N, (3,), generator=g).tolist()]
+        q, k, v, off = _jagged(lengths, H, D, torch.bfloat16, seed=N)
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        with hstu_inductor.report.collecting() as report:
+            out = compiled(qq, kk, vv, off, N)
+        graphs += report.graphs
+        if N == 320:  # the automatic-dynamic recompile (symbolic N) must be rewritten too
+            assert report.graphs == 1 and report.counts["attention"] == 1, str(report)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (qq, kk, vv), dout)
+        r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = attn(*r, off, N)
+        ref_grads = torch.autograd.grad(ref, r, dout.double())
+        assert rel_err(out.double(), ref) < BF16_TOL, N
+        for name, g_, rg in zip("qkv", grads, ref_grads):
+            assert rel_err(g_.double(), rg) < BF16_TOL, f"d{name} N={N}"
+    assert graphs == 2, "expected one static graph and one dynamic recompile"
+
+
 def test_backend_puts_kernels_into_generated_code():
     from torch._inductor.utils import run_and_get_code
 

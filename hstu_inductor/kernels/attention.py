@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _compat
 from .common import interpret as _interpret
 from .common import launcher as _launcher
 from .common import new_tensor
@@ -951,13 +952,23 @@ def _check_inputs(q, k, v, seq_offsets):
         raise ValueError("hstu attention: head dims up to 256 are supported")
 
 
-def _scale_args(attn_scale, max_seq_len):
+def _scale_args(attn_scale, max_seq_len, device):
     """(SCALE_MODE, scale_const, tensor or None, stride)."""
     if attn_scale is None:
-        return 0, 1.0 / max(max_seq_len, 1), None, 0
+        if isinstance(max_seq_len, int):
+            return 0, 1.0 / max(max_seq_len, 1), None, 0
+        # symbolic N under torch.compile: 1/N as a 0-d tensor computed at run time (a Python float
+        # argument would specialise the compiled graph to one N); callers ensure N >= 1
+        return 1, 1.0, torch.full((), 1.0, dtype=torch.float32, device=device) / max_seq_len, 0
     if attn_scale.numel() == 1:
         return 1, 1.0, attn_scale.reshape(()), 0
     return 2, 1.0, attn_scale, attn_scale.stride(0)
+
+
+def _n_bucket(max_seq_len) -> int:
+    """The autotuning key for N (power of two); unused by the kernels' arithmetic, so a symbolic N
+    is keyed by its compile-time value without a guard."""
+    return triton.next_power_of_2(_compat.size_hint(max_seq_len))
 
 
 def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len):
@@ -1011,7 +1022,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
     if rows == 0 or B <= 0 or H == 0 or max_seq_len <= 0:
         return out.zero_()
     use_tma = _use_tma(tma, q.device, (q, k, v))
-    scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len)
+    scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device)
     flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     bdq, bdv = _block_d(Dq), _block_d(Dv)
     args = (q, k, v, out, seq_offsets, num_targets, scale_t,
@@ -1019,7 +1030,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), stride_s,
             float(alpha), float(scale_const), 1.0,
             H, Dq, Dv, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
-            triton.next_power_of_2(max_seq_len))
+            _n_bucket(max_seq_len))
     kwargs = dict(flags, SCALE_MODE=scale_mode, DELTA=delta_rows > 0, TMA=use_tma,
                   FAST=_fast_silu(q.dtype, q.device), PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv,
                   BLOCK_DQ=bdq, BLOCK_DV=bdv)
@@ -1075,7 +1086,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     use_tma = _use_tma(tma, q.device, (q, k, v))
-    scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len)
+    scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device)
     flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     # Algorithm: "split" = dK/dV kernel + separate dQ kernel (no atomics, bitwise repeatable);
     # "atomic" = one kernel, dQ through fp32 atomics. Non-deterministic calls take whichever measured
@@ -1091,7 +1102,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     common = dict(flags, SCALE_MODE=scale_mode, TMA=use_tma, FAST=_fast_silu(q.dtype, q.device),
                   PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv, BLOCK_DQ=bdq, BLOCK_DV=bdv)
     tail = (float(alpha), float(scale_const), H, Dq, Dv, int(contextual_seq_len), int(max_attn_len),
-            int(min_full_attn_seq_len), triton.next_power_of_2(max_seq_len))
+            int(min_full_attn_seq_len), _n_bucket(max_seq_len))
     if split:
         dq = _new((L, H, Dq), q.dtype, q.device)
         dq_acc = None
