@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hstu_inductor.kernels import norms  # noqa: E402
 from hstu_inductor.kernels import stu_blocks as SB  # noqa: E402
+from hstu_inductor.ops.stu import _split_activate  # noqa: E402  (the op's split + silu, ATen)
 
 aten = torch.ops.aten
 
@@ -104,7 +105,7 @@ def main():
     width = 2048
     p = torch.randn(L, width, device=dev, dtype=dt, generator=g)
     line("split+silu: op body run eagerly (ATen; compiled, it is the inductor line)",
-         us(lambda: SB.split_silu(p, 512, 512, False)), 2 * L * width * e)
+         us(lambda: _split_activate(p, 512, 512, False)), 2 * L * width * e)
 
     def ind_split(p):
         uu, vv, qq, kk = torch.split(p, [512, 512, 512, 512], dim=1)

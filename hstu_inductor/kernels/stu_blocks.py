@@ -1,8 +1,8 @@
 """Fused Triton kernels for the dense STU blocks around attention (HSTU_SEMANTICS.md, "STU layer").
 
 preprocess  ``u, v, q, k = split(LayerNorm(x) @ W^T + b); u = silu(u)``
-    forward : LayerNorm kernel -> ``addmm`` (cuBLAS) -> one split kernel that applies silu and
-              writes the four contiguous outputs in one pass over the projection.
+    forward : LayerNorm kernel -> ``addmm`` (cuBLAS) (:func:`preprocess_projection`); the op then
+              splits and activates the projection with ATen ops that Inductor fuses.
     backward: the normalised x, the statistics and the pre-activations are either saved by the
               forward (``stu_preprocess_save``) or recomputed (LayerNorm kernel plus a matmul of
               only the u columns unless ``silu_all``) -> the silu backward and the concatenated
@@ -21,7 +21,6 @@ All tensors are ``[rows, channels]`` with a contiguous last dim (host wrappers m
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -31,8 +30,8 @@ from .norms import (affine_norm_grad, bwd_tile, norm_bwd, norm_fwd, normalize, n
                     store_partials, supported_channels, tile, xhat_from_stats)
 from .rng import keep, seed_keys
 
-__all__ = ["supported_channels", "output_y", "output_y_bwd", "split_silu", "uvqk_grad", "linear", "stu_output_fwd", "stu_output_bwd",
-           "stu_preprocess_fwd", "stu_preprocess_bwd"]
+__all__ = ["supported_channels", "output_y", "output_y_bwd", "uvqk_grad", "linear", "stu_output_fwd", "stu_output_bwd",
+           "preprocess_projection", "stu_preprocess_bwd"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,16 +223,9 @@ def stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, groups, weight
 # --------------------------------------------------------------------------------------------
 
 
-# The split + silu of the projection and its gradient are plain ATen on purpose: inside the
-# triton_op, Inductor fuses them into its own copy kernels, which measured 187 us against 368 us
+# The split + silu of the projection (in the op) and its gradient are plain ATen on purpose: inside
+# the triton_op, Inductor fuses them into its own copy kernels, which measured 187 us against 368 us
 # for our per-segment Triton copies (H100, L=62k, width 2048, bf16; benchmarks/stu_kernels.py).
-def split_silu(uvqk, u_dim: int, qk_dim: int, silu_all: bool):
-    """``(silu(u), v, q, k)`` (silu on all four with ``silu_all``), each a new contiguous tensor
-    (``clone``: a one-row slice is contiguous already and must not alias ``uvqk``)."""
-    u, v, q, k = torch.split(F.silu(uvqk) if silu_all else uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=1)
-    return tuple(t.clone(memory_format=torch.contiguous_format) for t in ((u if silu_all else F.silu(u)), v, q, k))
-
-
 def uvqk_grad(du, dv, dq, dk, pre, silu_all: bool):
     """The gradient of the projection output ``[L, 2(UD+QD)]``; ``pre`` holds the pre-activations of
     all columns (``silu_all``) or at least of the u columns (the first ``du.shape[1]``)."""
@@ -247,12 +239,11 @@ def linear(inp, weight, bias):
     return torch.addmm(bias, inp, weight.t()) if bias is not None else inp.mm(weight.t())
 
 
-def stu_preprocess_fwd(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all=False):
-    """``(u, v, q, k, normed, uvqk, mean [L, 1], rstd [L, 1])``: the outputs and the intermediates
-    (the forward computes them all; the caller decides what to keep)."""
+def preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias):
+    """``(normed, uvqk, mean [L, 1], rstd [L, 1])``: LayerNorm kernel, then the projection on cuBLAS
+    (the op splits ``uvqk`` into its outputs)."""
     normed, mean, rstd = norm_fwd(x, ln_weight, ln_bias, eps)
-    uvqk = linear(normed, weight, bias)
-    return (*split_silu(uvqk, u_dim, qk_dim, silu_all), normed, uvqk, mean, rstd)
+    return normed, linear(normed, weight, bias), mean, rstd
 
 
 def stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all,

@@ -24,6 +24,7 @@ from torch.library import triton_op
 
 from ..reference.dropout import dropout_keep_mask
 from ..reference.jagged import require
+from ..reference.stu import split_activate
 from ._kernels import stu_kernels
 
 __all__ = ["stu_preprocess", "stu_preprocess_save", "stu_output", "stu_output_save", "stu_preprocess_bwd",
@@ -112,12 +113,7 @@ def _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias):
 def _split_activate(uvqk, u_dim, qk_dim, silu_all):
     """``(silu(u), v, q, k)`` as new contiguous tensors (``clone``, not ``contiguous``: a one-row slice
     is already contiguous and would alias ``uvqk``, which ``stu_preprocess_save`` also returns)."""
-    if silu_all:
-        uvqk = F.silu(uvqk)
-    u, v, q, k = torch.split(uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
-    if not silu_all:
-        u = F.silu(u)
-    return tuple(t.clone(memory_format=torch.contiguous_format) for t in (u, v, q, k))
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in split_activate(uvqk, u_dim, qk_dim, silu_all))
 
 
 @triton_op("hstu::stu_preprocess", mutates_args=())
@@ -145,9 +141,9 @@ def stu_preprocess_save(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optiona
     ``hstu_inductor.config.block_backward`` selects which op the pattern emits."""
     _check_preprocess(x, weight, u_dim, qk_dim)
     kern = _kernels_for(x, weight, bias, norm_params=(ln_weight, ln_bias), channels=x.shape[1])
-    if kern is not None:
-        return kern.stu_preprocess_fwd(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all)
-    normed, uvqk, mean, rstd = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
+    project = kern.preprocess_projection if kern is not None else _preprocess_projection
+    normed, uvqk, mean, rstd = project(x, ln_weight, ln_bias, eps, weight, bias)
+    # the split + silu is ATen on both paths (kernels/stu_blocks.py says why)
     return (*_split_activate(uvqk, u_dim, qk_dim, silu_all), normed, uvqk, mean, rstd)
 
 

@@ -19,7 +19,16 @@ def _stats(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-__all__ = ["stu_preprocess", "stu_output", "stu_layer", "STULayer", "HSTUModel"]
+__all__ = ["split_activate", "stu_preprocess", "stu_output", "stu_layer", "STULayer", "HSTUModel"]
+
+
+def split_activate(uvqk, u_dim, qk_dim, silu_all=False):
+    """The uvqk projection output ``[L, 2(u_dim+qk_dim)]`` split into ``(silu(u), v, q, k)`` (silu
+    on all four with ``silu_all``); pieces without their own silu are views of ``uvqk``."""
+    if silu_all:
+        uvqk = F.silu(uvqk)
+    u, v, q, k = torch.split(uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
+    return (u if silu_all else F.silu(u)), v, q, k
 
 
 def stu_preprocess(x, ln_weight, ln_bias, w_uvqk, b_uvqk, num_heads, attn_dim, hidden_dim, eps=1e-6, silu_all=False):
@@ -30,12 +39,7 @@ def stu_preprocess(x, ln_weight, ln_bias, w_uvqk, b_uvqk, num_heads, attn_dim, h
     L = x.shape[0]
     normed = F.layer_norm(_stats(x), (x.shape[-1],), _stats(ln_weight), _stats(ln_bias), eps).to(x.dtype)
     uvqk = torch.addmm(b_uvqk, normed, w_uvqk) if b_uvqk is not None else normed @ w_uvqk
-    if silu_all:
-        uvqk = F.silu(uvqk)
-    hv, hq = num_heads * hidden_dim, num_heads * attn_dim
-    u, v, q, k = torch.split(uvqk, [hv, hv, hq, hq], dim=1)
-    if not silu_all:
-        u = F.silu(u)
+    u, v, q, k = split_activate(uvqk, num_heads * hidden_dim, num_heads * attn_dim, silu_all)
     return u, v.view(L, num_heads, hidden_dim), q.view(L, num_heads, attn_dim), k.view(L, num_heads, attn_dim)
 
 

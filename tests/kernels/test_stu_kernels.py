@@ -18,6 +18,7 @@ import triton.language as tl
 import hstu_inductor  # noqa: F401  (registers torch.ops.hstu.*)
 from hstu_inductor.kernels import common, norms, rng
 from hstu_inductor.kernels import stu_blocks as K
+from hstu_inductor.reference.stu import split_activate
 from hstu_inductor.ops import stu as stu_ops
 from hstu_inductor.reference.dropout import dropout_hash, dropout_keep_mask, keep_threshold
 
@@ -404,12 +405,12 @@ def test_stu_preprocess_op_kernels(kernels_on_cpu, dtype, affine, bias, silu_all
         assert rel_err(a, r.grad) < GTOL[dtype]
 
 
-def test_split_silu_and_uvqk_grad_direct():
+def test_split_activate_and_uvqk_grad_direct():
     L, UD, QD = 9, 5, 3
     g = gen(70)
     p = rand((L, 2 * (UD + QD)), torch.float32, g)
     for silu_all in (False, True):
-        u, v, q, k = K.split_silu(p, UD, QD, silu_all)
+        u, v, q, k = split_activate(p, UD, QD, silu_all)
         act = F.silu(p) if silu_all else p
         assert torch.allclose(u, F.silu(p[:, :UD]), atol=1e-6)
         for t, lo, hi in ((v, UD, 2 * UD), (q, 2 * UD, 2 * UD + QD), (k, 2 * UD + QD, 2 * (UD + QD))):
