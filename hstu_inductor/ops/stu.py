@@ -92,6 +92,13 @@ def _norm_bwd(grad32: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight, bia
             db.to(bias.dtype) if bias is not None else None)
 
 
+def _check_saved(op: str, names: str, saved) -> None:
+    """A ``_bwd`` op takes the forward's intermediates all together or not at all."""
+    require(all(t is None for t in saved) or all(t is not None for t in saved),
+            lambda: f"{op}: pass all of {names} or none of them")
+
+
+
 # ----------------------------------------------------------------------------------------------
 # preprocess: LayerNorm(x) -> x @ W^T + b -> split (u, v, q, k) -> silu(u) (or silu on all four)
 # ----------------------------------------------------------------------------------------------
@@ -156,8 +163,7 @@ def stu_preprocess_bwd(du: Tensor, dv: Tensor, dq: Tensor, dk: Tensor, x: Tensor
     ``normed, uvqk, mean, rstd`` are :func:`stu_preprocess_save`'s intermediates; when they are not
     given they are recomputed from ``x`` (LayerNorm forward plus the u columns of the projection)."""
     saved = (normed, uvqk, mean, rstd)
-    require(all(t is None for t in saved) or all(t is not None for t in saved),
-            lambda: "stu_preprocess_bwd: pass all of normed, uvqk, mean, rstd or none of them")
+    _check_saved("stu_preprocess_bwd", "normed, uvqk, mean, rstd", saved)
     kern = _kernels_for(x, du, dv, dq, dk, weight, bias, norm_params=(ln_weight, ln_bias), channels=x.shape[1])
     if kern is not None:
         grads = kern.stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim,
@@ -258,8 +264,7 @@ def stu_output_bwd(grad: Tensor, attn: Tensor, u: Tensor, x: Tensor, norm_weight
     """Gradients for ``attn, u, x, norm_weight, norm_bias, weight, bias`` (those not None). The
     dropout mask is regenerated from ``seed``. ``y, mean, rstd`` are :func:`stu_output_save`'s
     intermediates; when they are not given they are recomputed."""
-    require((y is None) == (mean is None) == (rstd is None),
-            lambda: "stu_output_bwd: pass all of y, mean, rstd or none of them")
+    _check_saved("stu_output_bwd", "y, mean, rstd", (y, mean, rstd))
     kern = _kernels_for(attn, grad, u, x, weight, bias, norm_params=(norm_weight, norm_bias),
                         channels=attn.shape[1], groups=norm_groups)
     if kern is not None:
@@ -292,6 +297,13 @@ def stu_output_bwd(grad: Tensor, attn: Tensor, u: Tensor, x: Tensor, norm_weight
 # ----------------------------------------------------------------------------------------------
 # autograd
 # ----------------------------------------------------------------------------------------------
+def _save(ctx, inputs, intermediates) -> None:
+    """Save the op inputs and the ``_save`` variants' intermediates (outputs that carry no gradient)."""
+    if intermediates:
+        ctx.mark_non_differentiable(*intermediates)
+    ctx.save_for_backward(*inputs, *intermediates)
+
+
 def _expand(grads, optional_inputs):
     """Place a packed list of gradients back at the positions of the non-None inputs."""
     it = iter(grads)
@@ -300,10 +312,8 @@ def _expand(grads, optional_inputs):
 
 def _pre_setup(ctx, inputs, output):
     x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all = inputs
-    saved = tuple(output[4:])  # stu_preprocess_save: the intermediates; stu_preprocess: none (recompute)
-    if saved:
-        ctx.mark_non_differentiable(*saved)
-    ctx.save_for_backward(x, ln_weight, ln_bias, weight, bias, *saved)
+    # stu_preprocess_save: the intermediates; stu_preprocess: none (recompute)
+    _save(ctx, (x, ln_weight, ln_bias, weight, bias), output[4:])
     ctx.args = (eps, u_dim, qk_dim, silu_all)
 
 
@@ -322,10 +332,9 @@ stu_preprocess_save.register_autograd(_pre_backward, setup_context=_pre_setup)
 
 def _out_setup(ctx, inputs, output):
     attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua, dropout_p, seed = inputs
-    saved = tuple(output[1:]) if isinstance(output, (tuple, list)) else ()  # stu_output_save: y, mean, rstd
-    if saved:
-        ctx.mark_non_differentiable(*saved)
-    ctx.save_for_backward(attn, u, x, norm_weight, norm_bias, weight, bias, seed, *saved)
+    # stu_output_save: y, mean, rstd; stu_output (a single tensor): none (recompute)
+    _save(ctx, (attn, u, x, norm_weight, norm_bias, weight, bias, seed),
+          output[1:] if isinstance(output, (tuple, list)) else ())
     ctx.args = (eps, norm_groups, concat_ua, dropout_p)
 
 
