@@ -603,9 +603,11 @@ def symbolic_n(Nexpr, B, rows, q_D, name):
         raise Decline(f"symbolic N={Nexpr} shares a symbol with the batch size or the jagged length "
                       f"(the probes cannot vary N alone)")
 
-    def holds_n(n):
-        val = _val(n)
+    def is_n(val):
         return isinstance(val, torch.SymInt) and sympy.expand(sym_expr(val) - Nexpr) == 0
+
+    def holds_n(n):
+        return is_n(_val(n))
 
     graph = q_D.graph
     found = [n for n in graph.nodes if n.op == "placeholder" and holds_n(n)]
@@ -619,7 +621,7 @@ def symbolic_n(Nexpr, B, rows, q_D, name):
         val = _val(n)
         if n.op == "placeholder" and isinstance(val, torch.Tensor):
             for d, s in enumerate(val.shape):
-                if isinstance(s, torch.SymInt) and sympy.expand(sym_expr(s) - Nexpr) == 0:
+                if is_n(s):
                     return (n, d)
     raise Decline(f"no graph input carries the symbolic N={Nexpr} of the padded {name}")
 
