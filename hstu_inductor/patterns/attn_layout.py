@@ -289,7 +289,9 @@ def narrow(layout, dim, start, stop, axis_size):
 def concretize(layout, binding: dict) -> tuple:
     """Substitute symbol values; returns a layout of python ints."""
     def c(e):
-        e = to_expr(e).subs(binding) if binding else to_expr(e)
+        e = to_expr(e)
+        if binding and not e.is_number:
+            e = e.xreplace({k: sympy.Integer(v) if isinstance(v, int) else v for k, v in binding.items()})
         if not e.is_Integer:
             raise LayoutError(f"unbound size {e}")
         return int(e)

@@ -170,8 +170,18 @@ def solve_binding(pairs: list, base: dict) -> dict:
     return binding
 
 
+def substitute(e, binding: dict):
+    """``e`` with the symbols of ``binding`` replaced by their values (``xreplace``: a plain
+    structural substitution, ~20x cheaper than ``subs``; sizes are polynomials, FloorDiv ...)."""
+    if not binding or e.is_number:
+        return e
+    return e.xreplace({k: sympy.Integer(v) if isinstance(v, int) else v for k, v in binding.items()})
+
+
 def concrete(x, binding: dict) -> int:
-    e = sym_expr(x).subs(binding) if not isinstance(x, sympy.Expr) else x.subs(binding)
+    if isinstance(x, int):
+        return x
+    e = substitute(sym_expr(x) if not isinstance(x, sympy.Expr) else x, binding)
     if not e.is_Integer:
         raise Decline(f"unbound size {e}")
     return int(e)

@@ -1,0 +1,690 @@
+"""Size-independent proofs: prove a graph with large static sizes on small instances of itself.
+
+The numeric proof of attention (``attention._numeric_proof``) runs the user's score chain on
+probes of ``B * H * N * N`` elements. With static production sizes (``B=128, N=4096``) that is
+out of reach, so such candidates raise :class:`TooLarge` carrying their static sizes. This
+module then *generalises* the whole ATen graph:
+
+1. **Find.** The static batch size ``B``, max length ``N`` and jagged row count ``L`` of the
+   declined candidates are the *atoms*. Graph inputs get symbolic sizes (rows ``L``, offsets
+   ``B+1``, lengths/num_targets ``B``), ``N`` becomes a new ``SymInt`` input, and symbolic
+   feature dims (``dynamic=True``) are set to their hints: they are model constants.
+2. **Layout.** Walking the graph in order, every integer literal in a *size position* (view /
+   expand / zeros / arange / slice bounds / repeat_interleave's output size / jagged pad
+   lengths ...) is re-expressed in the symbols it stands for: view sizes by factoring the
+   input's symbolic dims, fresh sizes by their value (feature suffixes, known from the jagged
+   tensors, stay constant), index arithmetic (``seq * N + pos``) by exact ``N``, ``N-1``,
+   ``B*N``, ``L`` values. Each choice is a list of alternatives (the literal itself last);
+   a choice that contradicts a later shape (an exception, or the shape env forcing an atom to a
+   constant) is revised by backtracking.
+3. **Prove.** The rewriters run on the generalised graph: it looks like a dynamic graph with a
+   symbolic ``N``, which the existing proofs handle with small probes (B <= 4, several small
+   N, mask and scale proven constant across N). Cost: independent of the real sizes.
+4. **Emit.** The rewritten generalised graph is re-traced at the real inputs and the real N:
+   every symbolic size folds back to the literal it came from. Before that, the *unrewritten*
+   generalised graph is re-traced the same way and must give back the user's graph node for
+   node (same ops, same arguments): generalising changed nothing at the real sizes.
+
+Why this is sound: at the real sizes the generalised graph *is* the user's graph (step 4's
+check), and the proof holds for it at every probed size, uniformly in B and N, which is the
+same argument that proves dynamic graphs. A literal that only equals an atom by accident either
+keeps the proof from going through (e.g. a window of 128 with B=128 is not constant across
+probe B values: the choice is revised or the candidate declined) or is harmless (equal at the
+real sizes by construction). Constants left in the score chain are probed above their value
+(``attention.probe_ns``), so a window of ``N - 5`` spelled as a literal is not mistaken for
+"no window".
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import operator
+from typing import Optional
+
+import sympy
+import torch
+
+from torch.utils._sympy.functions import FloorDiv
+
+from .prover import Decline
+
+log = logging.getLogger("hstu_inductor")
+aten = torch.ops.aten
+
+_MAX_ATTEMPTS = 12
+
+
+class TooLarge(Decline):
+    """A candidate whose numeric proof at the graph's static sizes exceeds the probe budget."""
+
+    def __init__(self, msg, B=None, N=None, L=None, descriptor=None, lengths=False):
+        super().__init__(msg)
+        self.sizes = Sizes(B=B, Ns=(N,) if N is not None else (), L=L, descriptor=descriptor, lengths=lengths)
+
+
+@dataclasses.dataclass
+class Sizes:
+    """Static atoms of the declined candidates (None / empty: already symbolic)."""
+    B: Optional[int] = None
+    Ns: tuple = ()
+    L: Optional[int] = None
+    descriptor: Optional[str] = None  # name of the offsets / lengths placeholder
+    lengths: bool = False
+
+    def merge(self, other: "Sizes") -> "Sizes":
+        return Sizes(B=self.B if self.B is not None else other.B,
+                     Ns=tuple(sorted(set(self.Ns) | set(other.Ns))),
+                     L=self.L if self.L is not None else other.L,
+                     descriptor=self.descriptor or other.descriptor,
+                     lengths=self.lengths if self.descriptor else other.lengths)
+
+
+class GeneralizeError(Exception):
+    """The graph could not be generalised (the candidate stays declined, with this reason)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Where integer literals are sizes
+
+_LIST_VIEW = {"view", "_unsafe_view", "reshape"}
+_LIST_FRESH = {"zeros", "ones", "empty", "full", "rand", "randn", "empty_strided"}
+_LIST_FRESH_SELF = {"new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided"}
+_SCALAR_SIZE_ARGS = {"arange": (0, 1), "eye": (0, 1)}
+_BOUND_ARGS = {"slice": (2, 3), "narrow": (2, 3)}
+_JAGGED_SIZE_ARGS = {"jagged_to_padded_dense": 2, "_jagged_to_padded_dense_forward": 2,
+                     "jagged_to_padded_dense_forward": 2, "dense_to_jagged": 2,
+                     "_padded_dense_to_jagged_forward": 2, "dense_to_jagged_forward": 2}
+_ARITH = {"mul", "add", "sub", "rsub", "div", "floor_divide", "remainder", "fmod", "lt", "le", "gt", "ge",
+          "eq", "ne", "clamp", "clamp_min", "clamp_max", "minimum", "maximum", "where", "masked_fill",
+          "fill", "full", "new_full", "select", "index_select", "lift_fresh_copy", "scalar_tensor"}
+
+
+def _packet(target) -> str:
+    name = getattr(target, "__name__", "")
+    return name.split(".")[0]
+
+
+def _is_int(a) -> bool:
+    return isinstance(a, int) and not isinstance(a, bool)
+
+
+# ---------------------------------------------------------------------------------------------
+# The generaliser
+
+
+@dataclasses.dataclass
+class _Decision:
+    key: tuple
+    options: list  # alternatives, best first; the literal itself is always last
+    choice: int = 0
+
+
+class _Generaliser:
+    """One attempt: builds the generalised graph with the given choices (``overrides``)."""
+
+    def __init__(self, gm, sizes: Sizes, overrides: dict):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        self.gm, self.sizes, self.overrides = gm, sizes, overrides
+        self.shape_env = ShapeEnv(duck_shape=False)
+        self.fake_mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
+        self.graph = torch.fx.Graph()
+        self.env: dict = {}            # old node -> new node
+        self.sym_nodes: dict = {}      # shape-env symbol -> (placeholder, dim) or node
+        self.expr_nodes: dict = {}     # emitted sympy expr -> node
+        self.decisions: list = []
+        self.features: set = set()     # trailing static dims of tensors with symbolic rows
+        self.atoms: list = []          # (sympy expr, hint) of B, N..., L
+        self.atom_syms: set = set()
+        self.n_placeholders: list = []
+        self.dim_sources: dict = {}    # symbolic size expr -> (new node, dim) holding it
+
+    # -- symbols ----------------------------------------------------------------------------
+    def _symint(self, hint: int, name: str) -> torch.SymInt:
+        from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+        src = ConstantSource(name)
+        sym = self.shape_env.create_symbol(hint, source=src, dynamic_dim=DimDynamic.DYNAMIC)
+        return self.shape_env.create_symintnode(sym, hint=hint, source=src)
+
+    def _int_of(self, expr) -> torch.SymInt | int:
+        expr = sympy.sympify(expr)
+        if expr.is_Integer:
+            return int(expr)
+        hint = int(expr.subs(self._hints()))
+        return self.shape_env.create_symintnode(expr, hint=hint)
+
+    def _hints(self) -> dict:
+        table = getattr(self.shape_env, "backed_var_to_val", None)
+        if table is None:
+            table = self.shape_env.var_to_val
+        return {k: int(v) for k, v in table.items()}
+
+    def hint(self, expr) -> int:
+        return int(sympy.sympify(expr).subs(self._hints()))
+
+    # -- placeholders -------------------------------------------------------------------------
+    def placeholders(self):
+        from .prover import sym_expr
+
+        phs = list(self.gm.graph.find_nodes(op="placeholder"))
+        vals = [p.meta.get("val", p.meta.get("example_value")) for p in phs]
+        # original symbols: rows (dim 0 of an input, or a bare SymInt input) stay symbolic, feature
+        # symbols (only in other dims) take their hints
+        keep, feature_syms = set(), set()
+        for v in vals:
+            if isinstance(v, torch.Tensor):
+                for d, s in enumerate(v.shape):
+                    (keep if d == 0 else feature_syms).update(sym_expr(s).free_symbols)
+        for v in vals:
+            if isinstance(v, torch.SymInt):
+                free = sym_expr(v).free_symbols
+                if not free & feature_syms:
+                    keep |= free
+        from .prover import hints as env_hints
+
+        orig_hints = env_hints(*vals)
+        fresh = {s: self._symint(orig_hints.get(s, 2), f"hstu_orig_{s}").node.expr for s in sorted(keep, key=str)}
+        specialise = {s: sympy.Integer(h) for s, h in orig_hints.items() if s not in keep}
+
+        def gen(e):
+            return sympy.sympify(sym_expr(e)).subs(fresh).subs(specialise)
+
+        sz = self.sizes
+        L_sym = self._symint(sz.L, "hstu_L").node.expr if sz.L is not None else None
+        B_sym = O_sym = None
+        if sz.B is not None:
+            if sz.lengths:
+                B_sym = self._symint(sz.B, "hstu_B").node.expr
+            else:
+                O_sym = self._symint(sz.B + 1, "hstu_offsets").node.expr
+                B_sym = O_sym - 1
+        new_vals = []
+        for p, v in zip(phs, vals):
+            new = self.graph.placeholder(p.target)
+            new.meta = {k: m for k, m in p.meta.items() if k not in ("val", "example_value", "tensor_meta")}
+            if isinstance(v, torch.Tensor):
+                shape = [gen(s) for s in v.shape]
+                if shape and shape[0].is_Integer:
+                    d0 = int(shape[0])
+                    is_int1d = v.dim() == 1 and not v.is_floating_point()
+                    if L_sym is not None and d0 == sz.L and not (is_int1d and d0 in (sz.B, (sz.B or -2) + 1)):
+                        shape[0] = L_sym
+                    elif B_sym is not None and is_int1d and p.name == sz.descriptor:
+                        shape[0] = B_sym if sz.lengths else O_sym
+                    elif B_sym is not None and is_int1d and d0 == sz.B:
+                        shape[0] = B_sym
+                    elif O_sym is not None and is_int1d and d0 == sz.B + 1:
+                        shape[0] = O_sym
+                stride = [gen(s) for s in v.stride()]
+                with self.fake_mode:
+                    val = torch.empty_strided([self._int_of(s) for s in shape], [self._int_of(s) for s in stride],
+                                              dtype=v.dtype, device=v.device, requires_grad=v.requires_grad)
+                for d, s in enumerate(shape):
+                    if isinstance(s, sympy.Symbol) and s not in self.sym_nodes:
+                        self.sym_nodes[s] = (new, d)
+                self._note_features(val)
+            elif isinstance(v, torch.SymInt):
+                e = gen(v)
+                val = self._int_of(e)
+                if isinstance(e, sympy.Symbol) and e not in self.sym_nodes:
+                    self.sym_nodes[e] = new
+            else:
+                val = v
+            new.meta["val"] = val
+            self.env[p] = new
+            new_vals.append(val)
+        for i, n in enumerate(sz.Ns):
+            ph = self.graph.placeholder(f"hstu_max_seq_len_{i}")
+            val = self._symint(n, f"hstu_N{i}")
+            ph.meta["val"] = val
+            self.sym_nodes[val.node.expr] = ph
+            self.n_placeholders.append(ph)
+            self.atoms.append((val.node.expr, n))
+        if B_sym is not None:
+            self.atoms.append((B_sym, sz.B))
+        if L_sym is not None:
+            self.atoms.append((L_sym, sz.L))
+        self.atom_syms = set().union(*(sympy.sympify(e).free_symbols for e, _ in self.atoms)) if self.atoms else set()
+        return new_vals
+
+    def _note_dims(self, node, val):
+        if isinstance(val, torch.Tensor):
+            for d, s in enumerate(val.shape):
+                e = _sx(s)
+                if not e.is_number and not isinstance(e, sympy.Symbol):
+                    self.dim_sources.setdefault(e, (node, d))
+
+    def _note_features(self, val):
+        if not isinstance(val, torch.Tensor) or val.dim() < 2:
+            return
+        from .prover import sym_expr
+
+        rest = val.shape[1:]
+        if sym_expr(val.shape[0]).is_Integer or not all(sym_expr(s).is_Integer for s in rest):
+            return
+        dims = tuple(int(s) for s in rest)
+        for i in range(len(dims)):  # every suffix, and its dims merged
+            suf = dims[i:]
+            self.features.add(suf)
+            self.features.add((math.prod(suf),))
+
+    # -- emitting symbolic sizes ----------------------------------------------------------------
+    def emit(self, expr):
+        """An fx node (or int) computing the sympy ``expr`` over this graph's symbols."""
+        expr = sympy.expand(sympy.sympify(expr))
+        if expr.is_Integer:
+            return int(expr)
+        if expr in self.expr_nodes:
+            return self.expr_nodes[expr]
+        if expr in self.dim_sources:  # a size some tensor already has: read it
+            node, d = self.dim_sources[expr]
+            node = self._call(aten.sym_size.int, (node, d))
+        elif isinstance(expr, FloorDiv):
+            node = self._call(operator.floordiv, (self.emit(expr.args[0]), self.emit(expr.args[1])))
+        elif isinstance(expr, sympy.Symbol):
+            src = self.sym_nodes.get(expr)
+            if src is None:
+                raise GeneralizeError(f"no graph input carries the size {expr}")
+            node = src if isinstance(src, torch.fx.Node) else self._call(aten.sym_size.int, (src[0], src[1]))
+        elif isinstance(expr, sympy.Add):
+            const, rest = expr.as_coeff_Add()
+            terms = sympy.Add.make_args(rest)
+            node = self.emit(terms[0])
+            for t in terms[1:]:
+                node = self._call(operator.add, (node, self.emit(t)))
+            if const:
+                node = self._call(operator.add, (node, int(const)))
+        elif isinstance(expr, sympy.Mul):
+            coeff, rest = expr.as_coeff_Mul()
+            factors = []
+            for f in sympy.Mul.make_args(rest):
+                base, exp = f.as_base_exp()
+                if not (exp.is_Integer and exp > 0):
+                    raise GeneralizeError(f"cannot emit size {expr}")
+                factors += [base] * int(exp)
+            node = self.emit(factors[0])
+            for f in factors[1:]:
+                node = self._call(operator.mul, (node, self.emit(f)))
+            if coeff != 1:
+                node = self._call(operator.mul, (node, int(coeff)))
+        elif isinstance(expr, sympy.Pow):
+            base, exp = expr.as_base_exp()
+            node = self.emit(base)
+            for _ in range(int(exp) - 1):
+                node = self._call(operator.mul, (node, self.emit(base)))
+        else:
+            raise GeneralizeError(f"cannot emit size {expr}")
+        self.expr_nodes[expr] = node
+        return node
+
+    def _call(self, target, args, kwargs=None):
+        node = self.graph.call_function(target, tuple(args), kwargs or {})
+        node.meta["val"] = self._run(target, args, kwargs or {})
+        return node
+
+    def _run(self, target, args, kwargs):
+        def val(a):
+            return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+        args = torch.fx.node.map_aggregate(args, val)
+        kwargs = torch.fx.node.map_aggregate(kwargs, val)
+        with self.fake_mode:
+            if target is aten.constant_pad_nd.default:  # its meta guards on the padded sizes
+                return _padded_like(*args)
+            return target(*args, **kwargs)
+
+    # -- choices --------------------------------------------------------------------------------
+    def choose(self, key, options):
+        """Pick an alternative for one literal (``options`` best first, the literal last)."""
+        if len(options) == 1:
+            return options[0]
+        d = _Decision(key, options, self.overrides.get(key, 0))
+        self.decisions.append(d)
+        return options[min(d.choice, len(options) - 1)]
+
+    def _monomials(self):
+        """(expr, hint) of products of atoms: B, N, L, B*N, N*N, B*N*N ..."""
+        out = []
+        for r in (1, 2, 3):
+            for combo in itertools.combinations_with_replacement(range(len(self.atoms)), r):
+                expr = sympy.Mul(*(self.atoms[i][0] for i in combo))
+                out.append((expr, math.prod(self.atoms[i][1] for i in combo), r))
+        return out
+
+    def size_options(self, c: int, allow_coeff=True):
+        """Expressions of atoms whose value is ``c`` (best first), then ``c`` itself."""
+        opts = []
+        if c >= 2:
+            for expr, h, deg in self._monomials():
+                if c % h == 0 and (allow_coeff or c == h):
+                    opts.append((-deg, c // h, sympy.expand(expr * (c // h))))
+        opts.sort(key=lambda t: (t[1] != 1, t[0], t[1]))
+        seen, out = set(), []
+        for _, _, e in opts:
+            if e not in seen:
+                seen.add(e)
+                out.append(e)
+        return out + [sympy.Integer(c)]
+
+    def arith_options(self, c: int):
+        """Index arithmetic: exact N, N-1, N+1, B*N, L values (the literal last)."""
+        opts = []
+        names = {e: h for e, h in self.atoms}
+        for expr, h in names.items():
+            for off in (0, -1, 1):
+                if c == h + off and c >= 2:
+                    opts.append(sympy.expand(expr + off))
+        for (e1, h1), (e2, h2) in itertools.combinations(self.atoms, 2):
+            if c == h1 * h2:
+                opts.append(sympy.expand(e1 * e2))
+        return list(dict.fromkeys(opts)) + [sympy.Integer(c)]
+
+    def view_options(self, in_shape, sizes):
+        """Generalised ``view`` sizes: groups of input dims and output sizes with equal products
+        (on the hints); each group's symbolic factors are placed on its output sizes."""
+        from .prover import sym_expr
+
+        in_exprs = [sympy.sympify(sym_expr(s)) for s in in_shape]
+        if -1 in sizes or any(not _is_int(s) for s in sizes):
+            return None
+        out, i, j = [], 0, 0
+        groups = []
+        while i < len(in_exprs) or j < len(sizes):
+            gi, gj = [], []
+            pi = pj = 1
+            while True:
+                if pi == pj and (gi or gj) and (i >= len(in_exprs) or self.hint(in_exprs[i]) != 1 or gj) \
+                        and (j >= len(sizes) or sizes[j] != 1 or gi):
+                    break
+                if (pi <= pj or j >= len(sizes)) and i < len(in_exprs):
+                    gi.append(in_exprs[i])
+                    pi *= self.hint(in_exprs[i])
+                    i += 1
+                elif j < len(sizes):
+                    gj.append(sizes[j])
+                    pj *= sizes[j]
+                    j += 1
+                else:
+                    return None
+            groups.append((gi, gj))
+        for gi, gj in groups:
+            prod = sympy.factor(sympy.Mul(*gi)) if gi else sympy.Integer(1)
+            if prod.is_Integer or not gj:
+                out.append([[sympy.Integer(c) for c in gj]])
+                continue
+            coeff, rest = prod.as_coeff_Mul()
+            factors = []
+            for f in sympy.Mul.make_args(rest):
+                base, exp = f.as_base_exp()
+                factors += [base] * int(exp) if exp.is_Integer and exp > 0 else [f]
+            if not coeff.is_Integer:
+                return None
+            options = []
+            for place in itertools.product(range(len(gj)), repeat=len(factors)):
+                exprs, ok = [], True
+                for pos, c in enumerate(gj):
+                    fs = [factors[k] for k in range(len(factors)) if place[k] == pos]
+                    h = math.prod(self.hint(f) for f in fs)
+                    if h == 0 or c % h:
+                        ok = False
+                        break
+                    exprs.append(sympy.expand(sympy.Mul(*fs) * (c // h)))
+                if ok and sympy.expand(sympy.Mul(*exprs) - prod) == 0:
+                    options.append((sorted(place), exprs))
+            options.sort(key=lambda t: t[0])
+            out.append([e for _, e in options] or [[sympy.Integer(c) for c in gj]])
+        return out
+
+    # -- one node -------------------------------------------------------------------------------
+    def generalise_args(self, node, args, kwargs):
+        """``args``/``kwargs`` (new nodes already mapped) with size literals replaced."""
+        name = _packet(node.target)
+        args = list(args)
+        kwargs = dict(kwargs)
+        key = node.name
+
+        def expr_arg(e):
+            return self.emit(e)
+
+        if name in _LIST_VIEW and len(args) > 1 and isinstance(args[1], (list, tuple)):
+            inp = args[0].meta["val"] if isinstance(args[0], torch.fx.Node) else None
+            sizes = list(args[1])
+            groups = self.view_options(inp.shape, sizes) if isinstance(inp, torch.Tensor) else None
+            if groups is not None:
+                new = []
+                for g, opts in enumerate(groups):
+                    new += self.choose((key, "view", g), opts + ([opts[-1]] if len(opts) == 1 else []))
+                args[1] = [expr_arg(e) for e in new]
+            else:
+                args[1] = [self._fresh_size(key, ("view", i), s) for i, s in enumerate(sizes)]
+        elif name == "expand" and len(args) > 1:
+            inp = args[0].meta["val"]
+            sizes, off = list(args[1]), len(args[1]) - inp.dim()
+            new = []
+            for i, s in enumerate(sizes):
+                if _is_int(s) and s != -1 and i >= off and self.hint(_sx(inp.shape[i - off])) == s:
+                    new.append(inp.shape[i - off] if not _sx(inp.shape[i - off]).is_Integer else s)
+                    if isinstance(new[-1], torch.SymInt):
+                        new[-1] = expr_arg(_sx(new[-1]))
+                else:
+                    new.append(self._fresh_size(key, ("expand", i), s))
+            args[1] = new
+        elif name in _LIST_FRESH or name in _LIST_FRESH_SELF:
+            pos = 1 if name in _LIST_FRESH_SELF else 0
+            if len(args) > pos and isinstance(args[pos], (list, tuple)):
+                args[pos] = self._fresh_list(key, list(args[pos]))
+            if name in ("full", "new_full") and len(args) > pos + 1 and _is_int(args[pos + 1]):
+                args[pos + 1] = self._arith(key, pos + 1, args[pos + 1])
+        elif name in _SCALAR_SIZE_ARGS:
+            for i in _SCALAR_SIZE_ARGS[name]:
+                if i < len(args) and _is_int(args[i]) and not (name == "arange" and i == 0 and len(args) > 1
+                                                               and _is_int(args[1])):
+                    args[i] = self._fresh_size(key, ("scalar", i), args[i])
+                elif i < len(args) and _is_int(args[i]):
+                    args[i] = self._arith(key, i, args[i])
+        elif name in _BOUND_ARGS and isinstance(args[0], torch.fx.Node):
+            inp = args[0].meta["val"]
+            dim = args[1] if len(args) > 1 else 0
+            for i in _BOUND_ARGS[name]:
+                if i < len(args) and _is_int(args[i]) and abs(args[i]) < 2 ** 62:
+                    d = _sx(inp.shape[dim])
+                    if d.is_Integer:  # bounds within a static (feature) dim stay literal
+                        continue
+                    if self.hint(d) == args[i]:
+                        args[i] = expr_arg(d)
+                    else:
+                        args[i] = self._arith(key, i, args[i])
+        elif name in _JAGGED_SIZE_ARGS:
+            i = _JAGGED_SIZE_ARGS[name]
+            if i < len(args):
+                a = args[i]
+                if isinstance(a, (list, tuple)):
+                    args[i] = [self._fresh_size(key, ("jagged", k), x) if _is_int(x) else x for k, x in enumerate(a)]
+                elif _is_int(a):
+                    args[i] = self._fresh_size(key, ("jagged", 0), a)
+        elif name == "repeat_interleave" and _is_int(kwargs.get("output_size")):
+            kwargs["output_size"] = self._fresh_size(key, ("output_size",), kwargs["output_size"])
+        elif name == "repeat" and len(args) > 1:
+            args[1] = [self._fresh_size(key, ("repeat", i), s) if _is_int(s) else s for i, s in enumerate(args[1])]
+        elif name in _ARITH:
+            for i, a in enumerate(args):
+                if _is_int(a) and (i > 0 or name == "scalar_tensor"):
+                    args[i] = self._arith(key, i, a)
+        return tuple(args), kwargs
+
+    def _fresh_size(self, key, where, c):
+        if not _is_int(c) or c < 2:
+            return c
+        return self.emit(self.choose((key,) + where, self.size_options(c)))
+
+    def _fresh_list(self, key, sizes):
+        """Sizes of a new tensor: a trailing run that is a known feature shape stays constant."""
+        ints = [s for s in sizes if _is_int(s)]
+        cut = len(sizes)
+        if len(ints) == len(sizes):
+            for t in range(len(sizes) - 1, 0, -1):
+                if tuple(sizes[len(sizes) - t:]) in self.features:
+                    cut = len(sizes) - t
+                    break
+        return [self._fresh_size(key, ("fresh", i), s) if i < cut else s for i, s in enumerate(sizes)]
+
+    def _arith(self, key, i, c):
+        if not _is_int(c) or not self.atoms:
+            return c
+        return self.emit(self.choose((key, "arith", i), self.arith_options(c)))
+
+    def run(self):
+        self.placeholders()
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                self.graph.output(torch.fx.node.map_arg(node.args[0], self.env.__getitem__))
+                continue
+            if node.op == "get_attr":
+                new = self.graph.get_attr(node.target)
+                obj = self.gm
+                for part in node.target.split("."):
+                    obj = getattr(obj, part)
+                new.meta["val"] = self.fake_mode.from_tensor(obj) if isinstance(obj, torch.Tensor) else obj
+                self.env[node] = new
+                continue
+            if node.op != "call_function":
+                raise GeneralizeError(f"cannot generalise {node.op} node {node.name}")
+            args = torch.fx.node.map_arg(node.args, self.env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, self.env.__getitem__)
+            before = len(self.decisions)
+            try:
+                gargs, gkwargs = self.generalise_args(node, args, kwargs)
+                val = self._run(node.target, gargs, gkwargs)
+            except GeneralizeError:
+                raise
+            except Exception as e:
+                raise _Failed(node.name, before, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}") from None
+            forced = self._forced_atoms()
+            if forced:
+                raise _Failed(node.name, before, f"sizes {sorted(map(str, forced))} became constants")
+            new = self.graph.call_function(node.target, gargs, gkwargs)
+            new.meta = {k: m for k, m in node.meta.items() if k not in ("val", "example_value", "tensor_meta")}
+            new.meta["val"] = val
+            self.env[node] = new
+            self._note_features(val)
+            self._note_dims(new, val)
+        gm = torch.fx.GraphModule(self.gm, self.graph)
+        return gm
+
+    def _forced_atoms(self) -> set:
+        """Atom symbols the shape env has fixed to a constant (a contradicted choice)."""
+        forced = set()
+        for s in self.atom_syms:
+            r = self.shape_env.replacements.get(s)
+            if r is not None and sympy.sympify(r).is_number:
+                forced.add(s)
+        return forced
+
+
+class _Failed(Exception):
+    def __init__(self, node, decisions_before, reason):
+        super().__init__(reason)
+        self.node, self.decisions_before, self.reason = node, decisions_before, reason
+
+
+def _padded_like(x, pad, value=0):
+    """Result metadata of ``constant_pad_nd(x, pad)`` without its meta function (which would
+    specialise symbolic sizes)."""
+    sizes = list(x.shape)
+    for i in range(len(pad) // 2):
+        d = len(sizes) - 1 - i
+        sizes[d] = sizes[d] + pad[2 * i] + pad[2 * i + 1]
+    return x.new_empty(sizes)
+
+
+def _sx(s):
+    from .prover import sym_expr
+
+    return sympy.sympify(sym_expr(s))
+
+
+def generalise(gm: torch.fx.GraphModule, sizes: Sizes):
+    """The generalised graph (and its fake mode): ``gm`` with the atoms of ``sizes`` symbolic and a
+    ``SymInt`` input per N appended. Raises GeneralizeError."""
+    overrides: dict = {}
+    last = None
+    for _ in range(_MAX_ATTEMPTS):
+        g = _Generaliser(gm, sizes, overrides)
+        try:
+            out = g.run()
+            log.debug("hstu_inductor: generalised %s with %d choice(s) revised", sizes, len(overrides))
+            return out, g
+        except _Failed as e:
+            last = e
+            log.debug("hstu_inductor: generalisation attempt failed at %s: %s", e.node, e.reason)
+            # revise the latest choice made before (or at) the failing node that has alternatives left
+            live = [d for d in g.decisions if d.choice < len(d.options) - 1]
+            if not live:
+                break
+            d = live[-1]
+            overrides = {x.key: x.choice for x in g.decisions[:g.decisions.index(d)]}
+            overrides[d.key] = d.choice + 1
+    raise GeneralizeError(f"could not generalise the sizes at {last.node}: {last.reason}" if last
+                          else "could not generalise the sizes")
+
+
+# ---------------------------------------------------------------------------------------------
+# Back to the real sizes
+
+
+def specialise(gen_gm, g: "_Generaliser", orig_vals: list, sizes: Sizes, fake_mode):
+    """Re-trace ``gen_gm`` at the real inputs and the real N values (every symbolic size folds
+    back to an int literal, or to the original graph's own symbols)."""
+    from .. import _compat
+
+    with fake_mode:
+        return _compat.trace_aten(gen_gm, list(orig_vals) + list(sizes.Ns))
+
+
+def same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> Optional[str]:
+    """None when ``a`` and ``b`` run the same ops on the same arguments, in the same order
+    (size arithmetic on SymInts and ``sym_size`` reads aside); else the first difference."""
+    def ops(gm):
+        return [n for n in gm.graph.nodes if n.op == "call_function"
+                and n.target is not aten.sym_size.int and not _is_sym_arith(n)]
+
+    def norm(x, index):
+        if isinstance(x, torch.fx.Node):
+            if x.op == "placeholder":
+                return ("input", placeholders(x.graph).index(x))
+            if x.target is aten.sym_size.int or _is_sym_arith(x):
+                v = x.meta.get("val")
+                return ("sym", str(v))
+            return ("node", index.get(x))
+        if isinstance(x, (list, tuple)):
+            return tuple(norm(y, index) for y in x)
+        if isinstance(x, dict):
+            return tuple(sorted((k, norm(v, index)) for k, v in x.items()))
+        if isinstance(x, torch.SymInt):
+            return ("sym", str(x))
+        return x
+
+    ia, ib = ops(a), ops(b)
+    if len(ia) != len(ib):
+        return f"{len(ia)} ops vs {len(ib)}"
+    xa, xb = {n: i for i, n in enumerate(ia)}, {n: i for i, n in enumerate(ib)}
+    for na, nb in zip(ia, ib):
+        if na.target != nb.target or norm(na.args, xa) != norm(nb.args, xb) or \
+                norm(na.kwargs, xa) != norm(nb.kwargs, xb):
+            return f"{na.format_node()} vs {nb.format_node()}"
+    return None
+
+
+def placeholders(graph) -> list:
+    return list(graph.find_nodes(op="placeholder"))
+
+
+def _is_sym_arith(n) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__module__", None) == "_operator"
