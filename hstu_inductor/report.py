@@ -20,9 +20,6 @@ class RewriteReport:
     details: list = dataclasses.field(default_factory=list)  # (kind, spelling/description) per rewrite
     lowered: dict = dataclasses.field(default_factory=dict)  # post-grad: how hstu ops reached Inductor
     graphs: int = 0
-    # static sizes of attention candidates too large to probe (patterns.generalize.Sizes); the
-    # pipeline then proves them on a generalised graph. Not part of the printed report.
-    oversized: object = dataclasses.field(default=None, repr=False)
 
     def __str__(self) -> str:
         lines = [f"hstu_inductor report: {self.graphs} graph(s) compiled"]

@@ -27,6 +27,7 @@ import logging
 import math
 import operator
 import random
+import time
 from typing import Optional
 
 import sympy
@@ -38,6 +39,7 @@ from .prover import (
     Decline, close, closure, concrete, evaluate, hints, is_static, make_probes, make_targets,
     mask_candidates, reference_mask, reference_pad, scalar_constants, silu, solve_binding, sym_expr, valid_at,
 )
+from . import generalize
 from .generalize import TooLarge
 from .registry import register
 
@@ -1114,7 +1116,7 @@ def _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, O
                           f"symbolic N is probed above every integer constant of the score subgraph)")
         if cost > _MAX_PROBE_ELEMS:  # proven on small instances of the same graph instead (generalize.py)
             raise TooLarge(f"too large to prove numerically at these static sizes ({cost:.2g} elements per probe)",
-                           B=Bs, N=N if isinstance(N, int) else None, L=Ls,
+                           plan=plan, last=list(post)[-1] if post else plan.out, B=Bs, N=N if isinstance(N, int) else None, L=Ls,
                            descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
                            lengths=plan.lengths)
 
@@ -1557,12 +1559,22 @@ def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
             S = None
         if S is None or S in consumed:
             continue
+        generalised = None
         try:
-            plan = attn_delta.prove_delta(gm, S, node) if delta else prove(gm, S, node)
+            try:
+                plan = attn_delta.prove_delta(gm, S, node) if delta else prove(gm, S, node)
+            except TooLarge as e:  # static sizes too large to probe: prove a generalised copy
+                start = time.perf_counter()
+                try:
+                    plan = generalize.prove_generalised(gm, e, prove, rewrite)
+                except generalize.GeneralizeError as g:
+                    raise Decline(f"{e}; generalising its sizes failed: {g}") from None
+                except (Decline, lay.LayoutError) as g:
+                    raise Decline(f"{e}; on the generalised graph: {g}") from None
+                generalised = time.perf_counter() - start
+                log.info("hstu_inductor: %s proven on a generalised graph in %.2f s", node.name, generalised)
         except (Decline, lay.LayoutError) as e:
             report.near_misses.append(("attention", f"{node.name}: {e}"))
-            if isinstance(e, TooLarge):  # the pipeline retries on a generalised graph (generalize.py)
-                report.oversized = e.sizes if report.oversized is None else report.oversized.merge(e.sizes)
             continue
         except Exception as e:
             if config.strict:
@@ -1572,11 +1584,14 @@ def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
             continue
         if delta:
             attn_delta.rewrite_delta(gm, plan)
-        else:
+        elif generalised is None:
             rewrite(gm, plan)
         consumed |= {node, S}
         report.counts["attention"] += 1
-        report.details.append(("attention", attn_delta.describe_delta(plan) if delta else describe(plan)))
+        what = attn_delta.describe_delta(plan) if delta else describe(plan)
+        if generalised is not None:
+            what += f" [static sizes generalised, proof {generalised:.2f} s]"
+        report.details.append(("attention", what))
 
 
 from . import attn_delta  # noqa: E402  (cached attention; imports this module's helpers)

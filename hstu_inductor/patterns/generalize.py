@@ -57,10 +57,13 @@ _MAX_ATTEMPTS = 12
 
 
 class TooLarge(Decline):
-    """A candidate whose numeric proof at the graph's static sizes exceeds the probe budget."""
+    """A candidate whose numeric proof at the graph's static sizes exceeds the probe budget.
+    ``plan``: its (structurally proven) plan; ``last``: the node its rewrite may replace at most
+    (the unpadded output, or the last row scale after it)."""
 
-    def __init__(self, msg, B=None, N=None, L=None, descriptor=None, lengths=False):
+    def __init__(self, msg, plan=None, last=None, B=None, N=None, L=None, descriptor=None, lengths=False):
         super().__init__(msg)
+        self.plan, self.last = plan, last
         self.sizes = Sizes(B=B, Ns=(N,) if N is not None else (), L=L, descriptor=descriptor, lengths=lengths)
 
 
@@ -140,7 +143,8 @@ class _Generaliser:
         self.atoms: list = []          # (sympy expr, hint) of B, N..., L
         self.atom_syms: set = set()
         self.n_placeholders: list = []
-        self.dim_sources: dict = {}    # symbolic size expr -> (new node, dim) holding it
+        self.dim_sources: dict = {}    # symbolic size expr -> (input node, dim) holding it (inputs only:
+        #                                a size read of an intermediate would keep it alive)
 
     # -- symbols ----------------------------------------------------------------------------
     def _symint(self, hint: int, name: str) -> torch.SymInt:
@@ -228,6 +232,7 @@ class _Generaliser:
                     if isinstance(s, sympy.Symbol) and s not in self.sym_nodes:
                         self.sym_nodes[s] = (new, d)
                 self._note_features(val)
+                self._note_dims(new, val)
             elif isinstance(v, torch.SymInt):
                 e = gen(v)
                 val = self._int_of(e)
@@ -574,7 +579,6 @@ class _Generaliser:
             new.meta["val"] = val
             self.env[node] = new
             self._note_features(val)
-            self._note_dims(new, val)
         gm = torch.fx.GraphModule(self.gm, self.graph)
         return gm
 
@@ -636,16 +640,98 @@ def generalise(gm: torch.fx.GraphModule, sizes: Sizes):
 
 
 # ---------------------------------------------------------------------------------------------
-# Back to the real sizes
+# One candidate: extract, generalise, prove, specialise, splice
 
 
-def specialise(gen_gm, g: "_Generaliser", orig_vals: list, sizes: Sizes, fake_mode):
-    """Re-trace ``gen_gm`` at the real inputs and the real N values (every symbolic size folds
-    back to an int literal, or to the original graph's own symbols)."""
+def extract(gm: torch.fx.GraphModule, last: torch.fx.Node, leaves: set):
+    """The subgraph computing ``last`` from ``leaves`` (and the graph inputs it reads) as a graph
+    module of its own: ``(module, inputs)`` with one placeholder per input node, in graph order,
+    named like the node it stands for."""
+    from .prover import closure
+
+    order, reached = closure([last], set(leaves))
+    inputs = [n for n in gm.graph.nodes if n in reached]
+    graph = torch.fx.Graph()
+    env = {}
+    for n in inputs:
+        if n.op == "get_attr":
+            env[n] = graph.get_attr(n.target)
+        else:
+            env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    for n in order:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[last])
+    sub = torch.fx.GraphModule(gm, graph)
+    return sub, [n for n in inputs if n.op != "get_attr"], env
+
+
+def prove_generalised(gm, e: TooLarge, prove, rewrite):
+    """Prove and rewrite the candidate of ``e`` on a generalised copy of its subgraph; splice the
+    result (specialised back to the real sizes) into ``gm``. Returns the proven plan (of the
+    generalised graph, for the report). Raises Decline / GeneralizeError."""
+    plan = e.plan
+    leaves = {x.src for x in (plan.q, plan.k, plan.v)}
+    sub, inputs, env = extract(gm, e.last, leaves)
+    vals = [n.meta.get("val") for n in inputs]
+    fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    if fake_mode is None:
+        raise GeneralizeError("the candidate reads no fake tensor input")
+    sizes = dataclasses.replace(e.sizes, descriptor=env[plan.offsets].name if plan.offsets in env else None)
+    gen, g = generalise(sub, sizes)
+    gen.recompile()
+    back = _specialise(gen, vals, sizes, fake_mode)
+    diff = same_graph(sub, back)
+    if diff is not None:
+        raise GeneralizeError(f"the generalised graph does not specialise back to the user's ({diff})")
+    S, pv = g.env[env[plan.S]], g.env[env[plan.pv]]
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # noqa: F401  (prove leaves it itself)
+
+    with g.fake_mode:
+        gen_plan = prove(gen, S, pv)
+        rewrite(gen, gen_plan)
+    gen.graph.eliminate_dead_code()
+    gen.recompile()
+    spec = _specialise(gen, vals, sizes, fake_mode)
+    _splice(gm, spec, inputs, e.last)
+    return gen_plan
+
+
+def _specialise(gen_gm, vals: list, sizes: Sizes, fake_mode):
+    """Re-trace ``gen_gm`` at the real inputs and the real N values: every symbolic size folds
+    back to an int literal (or to the original graph's own symbols)."""
     from .. import _compat
 
     with fake_mode:
-        return _compat.trace_aten(gen_gm, list(orig_vals) + list(sizes.Ns))
+        return _compat.trace_aten(gen_gm, list(vals) + list(sizes.Ns))
+
+
+def _splice(gm, spec, inputs, last):
+    """Copy ``spec``'s nodes into ``gm`` before ``last`` (its inputs bound to ``inputs``) and let its
+    output replace ``last``; the replaced subgraph is left to dead-code elimination."""
+    phs = list(spec.graph.find_nodes(op="placeholder"))
+    env = dict(zip(phs, inputs))
+    out = None
+    with gm.graph.inserting_before(last):
+        for n in spec.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                out = torch.fx.node.map_arg(n.args[0], env.__getitem__)
+                break
+            if n.op == "get_attr":
+                obj = spec
+                for part in n.target.split("."):
+                    obj = getattr(obj, part)
+                name = f"_hstu_const_{len([x for x in gm.graph.nodes if x.op == 'get_attr'])}"
+                gm.register_buffer(name, obj) if isinstance(obj, torch.Tensor) else setattr(gm, name, obj)
+                env[n] = gm.graph.get_attr(name)
+                env[n].meta = dict(n.meta)
+                continue
+            env[n] = gm.graph.node_copy(n, env.__getitem__)
+    if isinstance(out, (list, tuple)):
+        out = out[0]
+    last.replace_all_uses_with(out)
 
 
 def same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> Optional[str]:

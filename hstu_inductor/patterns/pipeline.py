@@ -10,7 +10,6 @@ import functools
 import hashlib
 import logging
 import pathlib
-import time
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -18,7 +17,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .. import _compat, config
 from ..report import RewriteReport, publish
 from .canonicalize import canonicalize, grad_losing_njt
-from .generalize import GeneralizeError
 from .registry import REWRITERS
 
 log = logging.getLogger("hstu_inductor")
@@ -102,7 +100,7 @@ def _triton_kernel_name(node: torch.fx.Node) -> str:
         return "?"
 
 
-def run_rewriters(gm: torch.fx.GraphModule, publish_report: bool = True) -> RewriteReport:
+def run_rewriters(gm: torch.fx.GraphModule) -> RewriteReport:
     """Apply every enabled rewriter kind to ``gm`` in place; returns (and publishes) the report."""
     report = RewriteReport(graphs=1)
     for kind, rewriters in REWRITERS.items():
@@ -114,57 +112,8 @@ def run_rewriters(gm: torch.fx.GraphModule, publish_report: bool = True) -> Rewr
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
-    if publish_report:
-        publish(report)
-    return report
-
-
-def rewrite_aten(gm, trace, fake_mode) -> tuple[torch.fx.GraphModule, RewriteReport]:
-    """Run the rewriters on the ATen graph ``gm`` (under ``fake_mode``, in place); publish the
-    report. ``trace()`` gives a fresh copy of ``gm`` (traced again when needed). Attention candidates whose static sizes are too large to probe are proven on a
-    generalised copy of the graph (``generalize.py``: B, N, L symbolic, small probes), which is
-    then specialised back to the real sizes; that result is kept when it rewrites more.
-    Returns the graph to compile and the report."""
-    with fake_mode:
-        report = run_rewriters(gm, publish_report=False)
-    if report.oversized is not None:
-        start = time.perf_counter()
-        try:
-            gen_gm, gen_report = _rewrite_generalised(trace(), fake_mode, report.oversized)
-        except Exception as e:  # the candidates stay declined as too large, with the reason
-            if config.strict and not isinstance(e, GeneralizeError):
-                raise
-            log.info("hstu_inductor: size generalisation failed: %s", e)
-            report.near_misses.append(("attention", f"generalising the static sizes failed: {e}"))
-        else:
-            took = time.perf_counter() - start
-            log.info("hstu_inductor: proven on a generalised graph (%s) in %.2f s: %s", report.oversized, took,
-                     dict(gen_report.counts))
-            if sum(gen_report.counts.values()) > sum(report.counts.values()):
-                gen_report.details = [(k, f"{d} [static sizes generalised: proof {took:.2f} s]")
-                                      for k, d in gen_report.details]
-                gm, report = gen_gm, gen_report
-            else:  # say why the generalised graph did not prove either
-                report.near_misses += [(k, f"on the generalised graph: {r}") for k, r in gen_report.near_misses]
     publish(report)
-    return gm, report
-
-
-def _rewrite_generalised(pristine, fake_mode, sizes):
-    from .generalize import generalise, same_graph, specialise
-
-    vals = [n.meta.get("val") for n in pristine.graph.find_nodes(op="placeholder")]
-    gen_gm, g = generalise(pristine, sizes)
-    gen_gm.recompile()
-    back = specialise(gen_gm, g, vals, sizes, fake_mode)
-    diff = same_graph(pristine, back)
-    if diff is not None:
-        raise GeneralizeError(f"the generalised graph does not specialise back to the user's graph ({diff})")
-    with g.fake_mode:
-        report = run_rewriters(gen_gm, publish_report=False)
-    if not any(report.counts.values()):
-        return pristine, report
-    return specialise(gen_gm, g, vals, sizes, fake_mode), report
+    return report
 
 
 def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
@@ -197,11 +146,6 @@ def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
             raise
         log.exception("hstu_inductor: canonicalisation failed; retracing the graph as is")
         canon = gm
-
-    def trace():
-        with fake_mode:
-            return _compat.trace_aten(canon, _compat.placeholder_values(canon))
-
     lost = grad_losing_njt(canon)
     if lost is not None:
         report = RewriteReport(graphs=1)
@@ -210,7 +154,8 @@ def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
         publish(report)
         return None
     try:
-        aten_gm = trace()
+        with fake_mode:
+            aten_gm = _compat.trace_aten(canon, _compat.placeholder_values(canon))
     except Exception as e:  # a graph we cannot retrace is still compiled by stock Inductor
         if config.strict:
             raise
@@ -221,7 +166,8 @@ def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
         publish(report)
         return None
     try:
-        aten_gm, report = rewrite_aten(aten_gm, trace, fake_mode)
+        with fake_mode:
+            report = run_rewriters(aten_gm)
     except Exception:
         if config.strict:
             raise
