@@ -5,7 +5,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 __all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options", "guarded", "plain_eager",
-           "njt_view_target", "is_njt", "size_hint"]
+           "njt_view_target", "is_njt", "size_hint", "specialize_ints"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -72,6 +72,20 @@ def guarded(cond) -> bool:
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
     return bool(cond) if isinstance(cond, bool) else bool(guard_or_false(cond))
+
+
+def specialize_ints(sizes) -> None:
+    """Fix symbolic sizes to their current values, with a guard each (``guard_int``): the
+    compiled graph then recompiles if one of them changes."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    for s in sizes:
+        if not isinstance(s, torch.SymInt):
+            continue
+        env = s.node.shape_env
+        hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # 2.13 / 2.11 spelling
+        for sym in sorted(s.node.expr.free_symbols, key=str):  # each symbol, so products fold too
+            guard_int(env.create_symintnode(sym, hint=int(hints[sym])))
 
 
 def size_hint(x) -> int:

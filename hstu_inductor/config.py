@@ -30,6 +30,11 @@ deterministic: bool = os.environ.get("HSTU_INDUCTOR_DETERMINISTIC", "0") == "1"
 #: The default was chosen by measurement (benchmarks/RESULTS.md, "save or recompute").
 block_backward: str = os.environ.get("HSTU_INDUCTOR_BLOCK_BACKWARD", "save")
 
+#: Under ``dynamic=True`` every dim is symbolic, head and feature dims included, although a model
+#: fixes them through its weights. True: the attention rewriter takes symbolic feature dims of
+#: q/k/v as constants, with a guard each (a call with other feature sizes recompiles).
+specialize_features: bool = os.environ.get("HSTU_INDUCTOR_SPECIALIZE_FEATURES", "1") == "1"
+
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"
 
@@ -50,7 +55,7 @@ def validate() -> None:
 def snapshot() -> dict:
     """The current options, e.g. for cache keys and reports."""
     return {"tma": tma, "patterns": dict(patterns), "kernels": kernels, "deterministic": deterministic,
-            "block_backward": block_backward, "strict": strict}
+            "block_backward": block_backward, "strict": strict, "specialize_features": specialize_features}
 
 
 @contextlib.contextmanager

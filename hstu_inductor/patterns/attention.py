@@ -33,7 +33,7 @@ from typing import Optional
 import sympy
 import torch
 
-from .. import config
+from .. import _compat, config
 from . import attn_layout as lay
 from .prover import (
     Decline, close, closure, concrete, evaluate, hints, is_static, make_probes, make_targets,
@@ -357,8 +357,14 @@ def _feature_axes(src, prefix):
     shape = _val(src).shape
     if len(shape) < 2:
         raise Decline(f"jagged source {src.name} has no feature dims")
-    for s in shape[1:]:
-        if not is_static(s):
+    if not all(is_static(s) for s in shape[1:]):
+        if not config.specialize_features:
+            raise Decline(f"jagged source {src.name} has symbolic feature dims {tuple(shape)}")
+        # dynamic=True makes head/feature dims symbolic although models fix them (weights): take
+        # them as constants, guarded, so the compiled graph recompiles if they ever change
+        _compat.specialize_ints(shape[1:])
+        shape = _val(src).shape
+        if not all(is_static(s) for s in shape[1:]):
             raise Decline(f"jagged source {src.name} has symbolic feature dims {tuple(shape)}")
     return [int(s) for s in shape[1:]], [f"{prefix}{k}" for k in range(len(shape) - 1)]
 
@@ -1228,7 +1234,9 @@ def probe_ns(plan, base, floats, ints, B, L) -> list:
     consts = [abs(i) for i in ints] + [abs(f) for f in floats if float(f).is_integer()]
     big = int(max(consts, default=0))
     nmin = -(-L // B) if L is not None and B is not None else 2
-    ns = {2, 5, 12, big + 2}
+    # 2 * big + 2: a window w acts only on id distances, and a contextual prefix c (or targets)
+    # shortens those by up to c: the largest probe must exceed w + c for the window to show
+    ns = {2, 5, 12, 2 * big + 2}
     hint = concrete(plan.N, base)
     if 2 <= hint <= 64:
         ns.add(hint)

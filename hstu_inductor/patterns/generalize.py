@@ -127,11 +127,12 @@ class _Decision:
 class _Generaliser:
     """One attempt: builds the generalised graph with the given choices (``overrides``)."""
 
-    def __init__(self, gm, sizes: Sizes, overrides: dict):
+    def __init__(self, gm, sizes: Sizes, overrides: dict, arith: bool = True):
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        self.gm, self.sizes, self.overrides = gm, sizes, overrides
+        self.gm, self.sizes, self.overrides, self.arith = gm, sizes, overrides, arith
+        self.named_atoms: list = []    # (sympy expr, hint, "B" | "N" | "L")
         self.shape_env = ShapeEnv(duck_shape=False)
         self.fake_mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
         self.graph = torch.fx.Graph()
@@ -249,11 +250,12 @@ class _Generaliser:
             ph.meta["val"] = val
             self.sym_nodes[val.node.expr] = ph
             self.n_placeholders.append(ph)
-            self.atoms.append((val.node.expr, n))
+            self.named_atoms.append((val.node.expr, n, "N"))
         if B_sym is not None:
-            self.atoms.append((B_sym, sz.B))
+            self.named_atoms.append((B_sym, sz.B, "B"))
         if L_sym is not None:
-            self.atoms.append((L_sym, sz.L))
+            self.named_atoms.append((L_sym, sz.L, "L"))
+        self.atoms = [(e, h) for e, h, _ in self.named_atoms]
         self.atom_syms = set().union(*(sympy.sympify(e).free_symbols for e, _ in self.atoms)) if self.atoms else set()
         return new_vals
 
@@ -378,14 +380,16 @@ class _Generaliser:
 
     def arith_options(self, c: int):
         """Index arithmetic: exact N, N-1, N+1, B*N, L values (the literal last)."""
+        if not self.arith:
+            return [sympy.Integer(c)]
         opts = []
-        names = {e: h for e, h in self.atoms}
-        for expr, h in names.items():
-            for off in (0, -1, 1):
+        for expr, h, kind in self.named_atoms:
+            offs = (0, -1, 1) if kind in ("N", "L") else ()  # B alone is no index term
+            for off in offs:
                 if c == h + off and c >= 2:
                     opts.append(sympy.expand(expr + off))
-        for (e1, h1), (e2, h2) in itertools.combinations(self.atoms, 2):
-            if c == h1 * h2:
+        for (e1, h1, k1), (e2, h2, k2) in itertools.combinations(self.named_atoms, 2):
+            if {k1, k2} == {"B", "N"} and c == h1 * h2:
                 opts.append(sympy.expand(e1 * e2))
         return list(dict.fromkeys(opts)) + [sympy.Integer(c)]
 
@@ -614,13 +618,14 @@ def _sx(s):
     return sympy.sympify(sym_expr(s))
 
 
-def generalise(gm: torch.fx.GraphModule, sizes: Sizes):
+def generalise(gm: torch.fx.GraphModule, sizes: Sizes, arith: bool = True):
     """The generalised graph (and its fake mode): ``gm`` with the atoms of ``sizes`` symbolic and a
-    ``SymInt`` input per N appended. Raises GeneralizeError."""
+    ``SymInt`` input per N appended. ``arith``: also index-arithmetic literals (``seq * N``).
+    Raises GeneralizeError."""
     overrides: dict = {}
     last = None
     for _ in range(_MAX_ATTEMPTS):
-        g = _Generaliser(gm, sizes, overrides)
+        g = _Generaliser(gm, sizes, overrides, arith)
         try:
             out = g.run()
             log.debug("hstu_inductor: generalised %s with %d choice(s) revised", sizes, len(overrides))
@@ -678,17 +683,26 @@ def prove_generalised(gm, e: TooLarge, prove, rewrite):
     if fake_mode is None:
         raise GeneralizeError("the candidate reads no fake tensor input")
     sizes = dataclasses.replace(e.sizes, descriptor=env[plan.offsets].name if plan.offsets in env else None)
-    gen, g = generalise(sub, sizes)
-    gen.recompile()
-    back = _specialise(gen, vals, sizes, fake_mode)
-    diff = same_graph(sub, back)
-    if diff is not None:
-        raise GeneralizeError(f"the generalised graph does not specialise back to the user's ({diff})")
-    S, pv = g.env[env[plan.S]], g.env[env[plan.pv]]
-    from torch._subclasses.fake_tensor import unset_fake_temporarily  # noqa: F401  (prove leaves it itself)
-
+    first = None
+    for arith in (True, False):  # index-arithmetic literals that only equal N by accident: kept
+        gen, g = generalise(sub, sizes, arith)
+        gen.recompile()
+        back = _specialise(gen, vals, sizes, fake_mode)
+        diff = same_graph(sub, back)
+        if diff is not None:
+            raise GeneralizeError(f"the generalised graph does not specialise back to the user's ({diff})")
+        S, pv = g.env[env[plan.S]], g.env[env[plan.pv]]
+        try:
+            with g.fake_mode:
+                gen_plan = prove(gen, S, pv)
+            break
+        except Decline as d:
+            first = first or d
+            if not any(x.key[1] == "arith" for x in g.decisions):
+                raise first from None
+    else:
+        raise first
     with g.fake_mode:
-        gen_plan = prove(gen, S, pv)
         rewrite(gen, gen_plan)
     gen.graph.eliminate_dead_code()
     gen.recompile()
