@@ -66,8 +66,9 @@ class _Compiled:
         return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def compiled():
+    # fresh per configuration: a recompile of the same code with other H, D would mark them dynamic
     torch._dynamo.reset()
     cache = {}
     yield cache
