@@ -943,7 +943,7 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _check_inputs(q, k, v, seq_offsets):
+def _check_inputs(q, k, v, seq_offsets, num_targets=None):
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError("hstu attention: q, k, v must be [rows, H, D]")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -954,6 +954,9 @@ def _check_inputs(q, k, v, seq_offsets):
                          f"v {tuple(v.shape)}")
     if seq_offsets.dtype not in (torch.int32, torch.int64) or seq_offsets.dim() != 1:
         raise ValueError("hstu attention: seq_offsets must be a 1-D int32/int64 tensor")
+    if num_targets is not None and (num_targets.dim() != 1 or num_targets.shape[0] != seq_offsets.shape[0] - 1):
+        raise ValueError(f"hstu attention: num_targets must have shape [B]={seq_offsets.shape[0] - 1}, "
+                         f"got {tuple(num_targets.shape)}")  # the kernels read num_targets[b] for every b
     if max(q.shape[2], v.shape[2]) > 256:
         raise ValueError("hstu attention: head dims up to 256 are supported")
 
@@ -1023,7 +1026,7 @@ def _prec(dtype) -> str:
 
 def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
          min_full_attn_seq_len, causal, delta_rows, tma):
-    _check_inputs(q, k, v, seq_offsets)
+    _check_inputs(q, k, v, seq_offsets, num_targets)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
@@ -1082,7 +1085,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
                        max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True, *,
                        deterministic=False, tma=None):
     """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``)."""
-    _check_inputs(q, k, v, seq_offsets)
+    _check_inputs(q, k, v, seq_offsets, num_targets)
     L, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1

@@ -90,13 +90,16 @@ def test_garbage_metadata_stays_in_bounds(name, tma, guarded):
     guarded.assert_padding_untouched()
 
 
-def test_attn_scale_of_the_wrong_length_is_refused():
+def test_side_inputs_of_the_wrong_length_are_refused():
+    """What the kernels index by row or sequence must be long enough: checked on the host."""
     q, k, v, _ = _inputs(Guarded())
     off = torch.tensor([0, 10, L], device=DEV)
     with pytest.raises(ValueError, match="attn_scale"):
         K.hstu_attention_fwd(q, k, v, off, N, 0.3, attn_scale=torch.rand(L - 1, device=DEV))
     with pytest.raises(ValueError, match="attn_scale"):
         K.hstu_attention_bwd(torch.randn_like(v), q, k, v, off, N, 0.3, attn_scale=torch.rand(L + 1, device=DEV))
+    with pytest.raises(ValueError, match="num_targets"):
+        K.hstu_attention_fwd(q, k, v, off, N, 0.3, num_targets=torch.tensor([1], device=DEV))
 
 
 def test_valid_inputs_in_guarded_buffers_match_reference(guarded):
