@@ -113,20 +113,17 @@ def test_delta_attention_checks_survive_tracing(fresh_dynamo):
 
 def test_backend_rewritten_graph_raises_named_errors(fresh_dynamo):
     """The measured failure: the rewritten graph used to end in "index out of bounds" from
-    Inductor's C++ (or, for num_targets > length, in a silently different answer). One training
-    compile: edge lengths (0, 1, N) and num_targets 0 and = length must match eager, fwd and bwd."""
+    Inductor's C++ (or, for num_targets > length, in a silently different answer). One inference
+    compile (training with edge batches: test_fuzz_backend.py); edge lengths (0, 1, N) and
+    num_targets 0 and = length must match eager."""
     compiled = torch.compile(_user_attention, backend="hstu")
-    q, k, v = _qkv(seed=1, requires_grad=True)
+    q, k, v = _qkv(seed=1)
     off, nt = offsets_from_lengths(LENGTHS), torch.tensor([0, 3, 4, 0, 1])  # nt = 0 and = length
-    with hstu_inductor.report.collecting() as report:
-        out = compiled(q, k, v, off, nt)
-    assert report.counts["attention"] == 1, str(report)
-    expected = _user_attention(q, k, v, off, nt)
-    assert rel_err(out, expected) < 1e-6
-    g = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g)):
-        assert rel_err(a, b) < 1e-5
     with torch.no_grad():
+        with hstu_inductor.report.collecting() as report:
+            out = compiled(q, k, v, off, nt)
+        assert report.counts["attention"] == 1, str(report)
+        assert rel_err(out, _user_attention(q, k, v, off, nt)) < 1e-6
         for name, (bad_off, bad_nt, msg) in BAD.items():
             with pytest.raises(RuntimeError, match=msg):
                 compiled(q, k, v, torch.tensor(bad_off), torch.tensor(bad_nt))
