@@ -155,7 +155,7 @@ def gpu_cases(draw):
 
 
 @pytest.mark.gpu
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(case=gpu_cases())
 def test_backend_matches_eager_fuzz_gpu(case):
