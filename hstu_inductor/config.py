@@ -35,10 +35,21 @@ block_backward: str = os.environ.get("HSTU_INDUCTOR_BLOCK_BACKWARD", "save")
 #: q/k/v as constants, with a guard each (a call with other feature sizes recompiles).
 specialize_features: bool = os.environ.get("HSTU_INDUCTOR_SPECIALIZE_FEATURES", "1") == "1"
 
+#: Value checks of the jagged inputs of the attention ops (``seq_offsets[0] == 0``, non-decreasing
+#: offsets, ``seq_offsets[-1] == L``, every length <= max_seq_len, ``0 <= num_targets <= length``).
+#: They are part of the ops' bodies, so they also run inside torch.compile graphs and AOTI packages:
+#: "auto": CPU checks synchronously (a RuntimeError naming the problem); CUDA uses one device-side
+#: assert per call (no host sync; a failure is a CUDA device-side assert, which ends the process's
+#: CUDA context). "always": like CPU on every device (CUDA: one host sync per call, a catchable
+#: RuntimeError). "off": no value checks by the ops (the kernels stay memory-safe; results for
+#: invalid inputs are unspecified). See docs/inputs.md.
+check_inputs: str = os.environ.get("HSTU_INDUCTOR_CHECK_INPUTS", "auto")
+
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"
 
-_VALID = {"tma": ("auto", "on", "off"), "kernels": ("auto", "off"), "block_backward": ("save", "recompute")}
+_VALID = {"tma": ("auto", "on", "off"), "kernels": ("auto", "off"), "block_backward": ("save", "recompute"),
+          "check_inputs": ("auto", "always", "off")}
 
 
 def validate() -> None:
@@ -55,7 +66,8 @@ def validate() -> None:
 def snapshot() -> dict:
     """The current options, e.g. for cache keys and reports."""
     return {"tma": tma, "patterns": dict(patterns), "kernels": kernels, "deterministic": deterministic,
-            "block_backward": block_backward, "strict": strict, "specialize_features": specialize_features}
+            "block_backward": block_backward, "check_inputs": check_inputs, "strict": strict,
+            "specialize_features": specialize_features}
 
 
 @contextlib.contextmanager

@@ -58,6 +58,23 @@ def test_stu_model_rewritten_and_packaged(stu_package):
             assert rel_err(runner(ids, off), model(ids, off)) < 1e-5
 
 
+def test_stu_package_checks_jagged_inputs(stu_package, capfd):
+    """The package carries the attention ops' value checks (config.check_inputs): bad offsets raise
+    instead of indexing out of bounds or answering silently (the message itself is printed by
+    the AOTI runtime; the Python error only says the run failed)."""
+    _, result = stu_package
+    runner = torch._inductor.aoti_load_package(result.package_path)
+    ids, _ = _batch([5, 12, 3])
+    with torch.no_grad():
+        # a length 13 > N=12 and decreasing offsets already fail in the model's own position
+        # embedding (as in eager); offsets ending before L pass it and reach the attention check
+        for bad, ours in (([0, 13, 17, 20], False), ([0, 12, 5, 20], False), ([0, 5, 17, 19], True)):
+            with pytest.raises(RuntimeError):
+                runner(ids, torch.tensor(bad))
+            err = capfd.readouterr().err
+            assert not ours or "hstu attention: seq_offsets[-1] must equal" in err, err[-2000:]
+
+
 def test_stu_package_loads_without_hstu_inductor(stu_package, tmp_path):
     model, result = stu_package
     ids, off = _batch([6, 2, 11], seed=3)

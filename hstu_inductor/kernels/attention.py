@@ -72,6 +72,30 @@ def _ids(p, c, M, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr):
 
 
 @triton.jit
+def _seq_bounds(SEQ_OFFSETS, b, rows, max_n):
+    """(start, n) of sequence b, clamped to 0 <= start <= rows and 0 <= n <= min(rows - start, max_n):
+    any offsets (decreasing, negative, past L) or lengths past max_seq_len then address only rows of
+    the tensors. The identity for valid inputs (the ops check those; config.check_inputs)."""
+    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
+    end = tl.load(SEQ_OFFSETS + b + 1).to(tl.int64)
+    start = tl.minimum(tl.maximum(start, 0), rows)
+    end = tl.minimum(tl.maximum(end, start), rows)
+    return start, tl.minimum(end - start, max_n).to(tl.int32)
+
+
+@triton.jit
+def _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr):
+    """M, the end of ids of a sequence of length n; its target count is clamped to [0, n]."""
+    if HAS_CTX:
+        M = n - CTX + 1
+    else:
+        M = n
+    if HAS_TGT:
+        M = M - tl.minimum(tl.maximum(tl.load(NUM_TARGETS + b).to(tl.int32), 0), n)
+    return M
+
+
+@triton.jit
 def _valid(i, j, pi_i, pi_j, n, M, w, f, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
            HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr):
     """valid(i, j) for raw positions i (queries) and j (keys) of one sequence of length n."""
@@ -309,7 +333,7 @@ def _hstu_fwd_kernel(
     stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od, stride_sm,
     alpha, scale_const, one,
-    H, DQ, DV, DELTA_ROWS, CTX, WINDOW, MINFULL, N_BUCKET,
+    H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, CTX, WINDOW, MINFULL, N_BUCKET,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, DELTA: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -324,8 +348,7 @@ def _hstu_fwd_kernel(
     h = pid_bh % H
     # heaviest row blocks (largest start row under a causal mask) are launched first
     m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
-    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
-    n = (tl.load(SEQ_OFFSETS + b + 1).to(tl.int64) - start).to(tl.int32)
+    start, n = _seq_bounds(SEQ_OFFSETS, b, ROWS, MAX_N)
     if DELTA:
         nq = n * 0 + DELTA_ROWS
         pos0 = n - DELTA_ROWS
@@ -338,12 +361,7 @@ def _hstu_fwd_kernel(
     if r0 >= nq:
         return
 
-    if HAS_CTX:
-        M = n - CTX + 1
-    else:
-        M = n
-    if HAS_TGT:
-        M = M - tl.load(NUM_TARGETS + b).to(tl.int32)
+    M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
 
     offs_r = r0 + tl.arange(0, BLOCK_M)
     offs_dq = tl.arange(0, BLOCK_DQ)
@@ -491,7 +509,7 @@ def _hstu_bwd_dkdv_kernel(
     stride_dom, stride_doh, stride_dod, stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
     stride_sm,
     alpha, scale_const,
-    H, DQ, DV, CTX, WINDOW, MINFULL, N_BUCKET,
+    H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -502,17 +520,11 @@ def _hstu_bwd_dkdv_kernel(
     b = pid_bh // H
     h = pid_bh % H
     n_blk = tl.program_id(1)  # early key blocks are seen by the most query rows: launched first
-    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
-    n = (tl.load(SEQ_OFFSETS + b + 1).to(tl.int64) - start).to(tl.int32)
+    start, n = _seq_bounds(SEQ_OFFSETS, b, ROWS, MAX_N)
     n0 = n_blk * BLOCK_N
     if n0 >= n:
         return
-    if HAS_CTX:
-        M = n - CTX + 1
-    else:
-        M = n
-    if HAS_TGT:
-        M = M - tl.load(NUM_TARGETS + b).to(tl.int32)
+    M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_dq = tl.arange(0, BLOCK_DQ)
@@ -660,7 +672,7 @@ def _hstu_bwd_dq_kernel(
     stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
     stride_dom, stride_doh, stride_dod, stride_dqm, stride_dqh, stride_sm,
     alpha, scale_const, one,
-    H, DQ, DV, CTX, WINDOW, MINFULL, N_BUCKET,
+    H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -673,17 +685,11 @@ def _hstu_bwd_dq_kernel(
     b = pid_bh // H
     h = pid_bh % H
     m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
-    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
-    n = (tl.load(SEQ_OFFSETS + b + 1).to(tl.int64) - start).to(tl.int32)
+    start, n = _seq_bounds(SEQ_OFFSETS, b, ROWS, MAX_N)
     r0 = m_blk * BLOCK_M
     if r0 >= n:
         return
-    if HAS_CTX:
-        M = n - CTX + 1
-    else:
-        M = n
-    if HAS_TGT:
-        M = M - tl.load(NUM_TARGETS + b).to(tl.int32)
+    M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
     offs_r = r0 + tl.arange(0, BLOCK_M)
     offs_dq = tl.arange(0, BLOCK_DQ)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -937,7 +943,7 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _check_inputs(q, k, v, seq_offsets):
+def _check_inputs(q, k, v, seq_offsets, num_targets=None):
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError("hstu attention: q, k, v must be [rows, H, D]")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -948,12 +954,15 @@ def _check_inputs(q, k, v, seq_offsets):
                          f"v {tuple(v.shape)}")
     if seq_offsets.dtype not in (torch.int32, torch.int64) or seq_offsets.dim() != 1:
         raise ValueError("hstu attention: seq_offsets must be a 1-D int32/int64 tensor")
+    if num_targets is not None and (num_targets.dim() != 1 or num_targets.shape[0] != seq_offsets.shape[0] - 1):
+        raise ValueError(f"hstu attention: num_targets must have shape [B]={seq_offsets.shape[0] - 1}, "
+                         f"got {tuple(num_targets.shape)}")  # the kernels read num_targets[b] for every b
     if max(q.shape[2], v.shape[2]) > 256:
         raise ValueError("hstu attention: head dims up to 256 are supported")
 
 
-def _scale_args(attn_scale, max_seq_len, device):
-    """(SCALE_MODE, scale_const, tensor or None, stride)."""
+def _scale_args(attn_scale, max_seq_len, device, rows):
+    """(SCALE_MODE, scale_const, tensor or None, stride); a per-row ``attn_scale`` must have ``rows`` rows."""
     if attn_scale is None:
         if isinstance(max_seq_len, int):
             return 0, 1.0 / max(max_seq_len, 1), None, 0
@@ -962,6 +971,9 @@ def _scale_args(attn_scale, max_seq_len, device):
         return 1, 1.0, torch.full((), 1.0, dtype=torch.float32, device=device) / max_seq_len, 0
     if attn_scale.numel() == 1:
         return 1, 1.0, attn_scale.reshape(()), 0
+    if attn_scale.dim() != 1 or attn_scale.shape[0] != rows:
+        raise ValueError(f"hstu attention: attn_scale must be a scalar or have shape [{rows}], "
+                         f"got {tuple(attn_scale.shape)}")
     return 2, 1.0, attn_scale, attn_scale.stride(0)
 
 
@@ -1014,7 +1026,7 @@ def _prec(dtype) -> str:
 
 def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
          min_full_attn_seq_len, causal, delta_rows, tma):
-    _check_inputs(q, k, v, seq_offsets)
+    _check_inputs(q, k, v, seq_offsets, num_targets)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
@@ -1022,14 +1034,14 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
     if rows == 0 or B <= 0 or H == 0 or max_seq_len <= 0:
         return out.zero_()
     use_tma = _use_tma(tma, q.device, (q, k, v))
-    scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device)
+    scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
     flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     bdq, bdv = _block_d(Dq), _block_d(Dv)
     args = (q, k, v, out, seq_offsets, num_targets, scale_t,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), stride_s,
             float(alpha), float(scale_const), 1.0,
-            H, Dq, Dv, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
+            H, Dq, Dv, k.shape[0], max_seq_len, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
             _n_bucket(max_seq_len))
     kwargs = dict(flags, SCALE_MODE=scale_mode, DELTA=delta_rows > 0, TMA=use_tma,
                   FAST=_fast_silu(q.dtype, q.device), PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv,
@@ -1073,7 +1085,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
                        max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True, *,
                        deterministic=False, tma=None):
     """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``)."""
-    _check_inputs(q, k, v, seq_offsets)
+    _check_inputs(q, k, v, seq_offsets, num_targets)
     L, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
@@ -1086,7 +1098,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     use_tma = _use_tma(tma, q.device, (q, k, v))
-    scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device)
+    scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
     flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     # Algorithm: "split" = dK/dV kernel + separate dQ kernel (no atomics, bitwise repeatable);
     # "atomic" = one kernel, dQ through fp32 atomics. Non-deterministic calls take whichever measured
@@ -1101,7 +1113,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     bdq, bdv = _block_d(Dq), _block_d(Dv)
     common = dict(flags, SCALE_MODE=scale_mode, TMA=use_tma, FAST=_fast_silu(q.dtype, q.device),
                   PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv, BLOCK_DQ=bdq, BLOCK_DV=bdv)
-    tail = (float(alpha), float(scale_const), H, Dq, Dv, int(contextual_seq_len), int(max_attn_len),
+    tail = (float(alpha), float(scale_const), H, Dq, Dv, L, max_seq_len, int(contextual_seq_len), int(max_attn_len),
             int(min_full_attn_seq_len), _n_bucket(max_seq_len))
     if split:
         dq = _new((L, H, Dq), q.dtype, q.device)

@@ -9,6 +9,9 @@ reference. Because they are triton_ops:
 * torch.compile / AOTInductor trace *into* the body, so Inductor's generated code (and an AOTI
   package) contains our Triton kernels - or, on CPU, plain ATen - and no call back into Python;
 * the body doubles as the fake (meta) implementation, so it only uses shapes, never data.
+
+The forward ops check the values of the jagged inputs in a way that survives compilation
+(:mod:`._checks`, ``config.check_inputs``); the backward op trusts the offsets its forward checked.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch.library import triton_op
 
 from .. import config
 from ..reference import delta_hstu_mha, hstu_mha, hstu_mha_backward, validate_attention_inputs
+from ._checks import check_jagged_values
 from ._kernels import cuda_kernels
 
 __all__ = ["attention", "attention_bwd", "delta_attention"]
@@ -40,7 +44,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
               contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0, causal: bool = True) -> Tensor:
     """Jagged HSTU attention forward, ``[L, H, Dv]`` (see ``reference.hstu_mha``)."""
     validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
-                              contextual_seq_len, min_full_attn_seq_len, causal=causal)
+                              contextual_seq_len, min_full_attn_seq_len, causal=causal, check_values=False)
+    check_jagged_values(seq_offsets, k.shape[0], max_seq_len, num_targets)
     kern = _kernels_for(q)
     if kern is not None:
         return kern.hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
@@ -98,7 +103,10 @@ def delta_attention(delta_q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, 
     """Cached attention for inference: the last ``D`` rows of every sequence (``[B*D, H, Dv]``).
     Inference only (no autograd)."""
     validate_attention_inputs(delta_q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
-                              contextual_seq_len, 0, num_query_rows=delta_q.shape[0])
+                              contextual_seq_len, 0, num_query_rows=delta_q.shape[0], check_values=False)
+    B = seq_offsets.shape[0] - 1
+    check_jagged_values(seq_offsets, k.shape[0], max_seq_len, num_targets,
+                        min_length=delta_q.shape[0] // B if B > 0 else 0)
     kern = _kernels_for(delta_q)
     if kern is not None:
         return kern.delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets,

@@ -27,8 +27,10 @@ def validate_attention_inputs(
     min_full_attn_seq_len: int = 0,
     num_query_rows: int | None = None,
     causal: bool = True,
+    check_values: bool = True,
 ) -> None:
-    """Shape/dtype/device agreement of q, k, v and the jagged metadata, with clear messages."""
+    """Shape/dtype/device agreement of q, k, v and the jagged metadata, with clear messages
+    (and the metadata's values on concrete tensors unless ``check_values`` is False)."""
     require(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, lambda: "q, k, v must be [L, H, D]")
     require(
         q.shape[1:] == k.shape[1:], lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in [H, Dq]"
@@ -59,7 +61,7 @@ def validate_attention_inputs(
             attn_scale.numel() == 1 or (attn_scale.dim() == 1 and attn_scale.shape[0] == rows),
             lambda: f"attn_scale must be a scalar or have shape [{rows}], got {tuple(attn_scale.shape)}",
         )
-    validate_jagged(seq_offsets, k.shape[0], max_seq_len, num_targets)
+    validate_jagged(seq_offsets, k.shape[0], max_seq_len, num_targets, values=check_values)
 
 
 def _row_scale(attn_scale, seq_offsets, max_seq_len, rows_padded_fn):

@@ -79,11 +79,13 @@ def validate_jagged(
     max_seq_len: int,
     num_targets: torch.Tensor | None = None,
     name: str = "seq_offsets",
+    values: bool = True,
 ) -> None:
     """Check the jagged-layout contract of HSTU_SEMANTICS.md with readable messages.
 
-    Shape/dtype checks always run; value checks run only on concrete tensors (under fake
-    tensors the values are unknown and checking them would add guards).
+    Shape/dtype checks always run; value checks run only when ``values`` and on concrete tensors
+    (under fake tensors the values are unknown and checking them would add guards; the ops check
+    values in a traceable way instead, ``hstu_inductor/ops/_checks.py``).
     """
     require(offsets.dim() == 1, lambda: f"{name} must be 1-D, got shape {tuple(offsets.shape)}")
     require(
@@ -99,7 +101,7 @@ def validate_jagged(
         require(
             not num_targets.is_floating_point(), lambda: f"num_targets must be integer, got {num_targets.dtype}"
         )
-    if not _is_concrete(offsets):
+    if not values or not _is_concrete(offsets):
         return
     require(int(offsets[0]) == 0, lambda: f"{name}[0] must be 0, got {int(offsets[0])}")
     lengths = lengths_from_offsets(offsets)
