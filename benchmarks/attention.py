@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # triton_auto: tma=None, deterministic=False (what callers get by default); triton_tma / triton_ptr force the
 # descriptor / pointer variants; triton_tma_det: deterministic=True.
+STATIC = False  # --static: compile the hstu_backend provider with dynamic=False
+
 PROVIDERS = ["eager", "inductor", "hstu_backend", "triton_auto", "triton_tma", "triton_ptr", "triton_tma_det"]
 
 
@@ -83,14 +85,15 @@ def build_provider(name, N, alpha, num_targets):
 
             from hstu_inductor.report import collecting
 
-            compiled = torch.compile(ref_nt, backend="hstu")
+            compiled = torch.compile(ref_nt, backend="hstu", dynamic=False if STATIC else None)
             first = [True]
 
             def fn(q, k, v, off):
-                # Dynamic L and B, as a real model sees them: at these sizes the rewrite is proven on the
-                # dynamic graph (probing a static B=128, N>=1024 score tensor is declined as too costly).
-                for t in (q, k, v, off, num_targets):
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                # Dynamic L and B, as a real model sees them after its first recompile; --static: the
+                # first, static compile (proven on a generalised copy of the graph, patterns/generalize.py)
+                if not STATIC:
+                    for t in (q, k, v, off, num_targets):
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
                 if not first[0]:
                     return compiled(q, k, v, off, num_targets)
                 first[0] = False
@@ -193,7 +196,10 @@ def main():
     ap.add_argument("--check", action="store_true", help="compare kernel outputs with eager at each N")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
     ap.add_argument("--tag", default="", help="label added to the CSV rows")
+    ap.add_argument("--static", action="store_true", help="hstu_backend: static shapes (dynamic=False)")
     args = ap.parse_args()
+    global STATIC
+    STATIC = args.static
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
