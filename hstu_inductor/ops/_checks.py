@@ -34,9 +34,10 @@ _MESSAGES = (
     "hstu attention: num_targets[b] must satisfy 0 <= num_targets[b] <= length of sequence b",
     "hstu delta attention: every sequence needs at least D rows (D = delta_q rows / B)",
 )
-_ALL = ("hstu attention: invalid jagged inputs; the contract is seq_offsets[0] == 0, non-decreasing "
-        "seq_offsets, seq_offsets[-1] == L, every length <= max_seq_len, 0 <= num_targets <= length "
-        "(set hstu_inductor.config.check_inputs = always for an error naming the violated condition)")
+# torch._assert_async's CUDA message is limited to 254 characters (a longer one raises on every call)
+_ALL = ("hstu attention: invalid jagged inputs (need offsets[0]=0, non-decreasing, offsets[-1]=L, "
+        "lengths <= max_seq_len, 0 <= num_targets <= length); config.check_inputs='always' names the failed one")
+assert len(_ALL) < 255
 
 
 def _flags(offsets: Tensor, total_len, max_seq_len, num_targets: Optional[Tensor], min_length: int) -> Tensor:
