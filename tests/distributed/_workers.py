@@ -85,8 +85,8 @@ def counting_allreduce(state, bucket):
 def dynamo_stats() -> dict:
     from torch._dynamo.utils import counters
 
-    return {"graphs": counters["stats"]["unique_graphs"], "recompiles": sum(counters["recompiles"].values()),
-            "graph_breaks": dict(counters["graph_break"])}
+    return {"dynamo_graphs": counters["stats"]["unique_graphs"], "recompiles": sum(counters["recompiles"].values()),
+            "graph_breaks": sorted(k.splitlines()[0] for k in counters["graph_break"])}
 
 
 def run_step(step, model, *batch):
@@ -104,7 +104,7 @@ def compare(eager, compiled) -> dict:
     (_, loss_e, grads_e), (report, loss_c, grads_c) = eager, compiled
     missing = [i for i, (a, b) in enumerate(zip(grads_e, grads_c)) if (a is None) != (b is None)]
     return {"counts": dict(report.counts), "near_misses": list(report.near_misses), "graphs": report.graphs,
-            "loss_err": rel_err(loss_c, loss_e), "missing_grads": missing,
+            "loss": loss_c.item(), "loss_err": rel_err(loss_c, loss_e), "missing_grads": missing,
             "grad_errs": [rel_err(b, a) for a, b in zip(grads_e, grads_c) if a is not None and b is not None],
             "grad_norm": sum(g.double().norm().item() for g in grads_e if g is not None),
             "grads": [g for g in grads_c if g is not None]}
@@ -114,7 +114,7 @@ def compare(eager, compiled) -> dict:
 # DDP
 # ------------------------------------------------------------------------------------------
 
-def _ddp_pair(rank, pieces, make_step):
+def _ddp_pair(rank, pieces, make_step, sharded_params=0):
     """Run ``make_step(compiled)`` eagerly then compiled (fresh copies of the same weights);
     returns compare() plus DDP allreduce counts, compiled pieces and Dynamo stats."""
     runs = []
@@ -126,7 +126,7 @@ def _ddp_pair(rank, pieces, make_step):
         before = len(pieces)
         runs.append((run_step(step, model, *rank_batch(rank)), comm.calls, len(pieces) - before))
     out = compare(runs[0][0], runs[1][0])
-    out.update(allreduces_eager=runs[0][1], allreduces_compiled=runs[1][1], pieces=runs[1][2], **dynamo_stats())
+    out.update(sharded_params=sharded_params, allreduces_eager=runs[0][1], allreduces_compiled=runs[1][1], pieces=runs[1][2], **dynamo_stats())
     return out
 
 
@@ -150,24 +150,6 @@ def _ddp_model_step(compiled, comm, base):
 def case_ddp(rank, world, pieces):
     base = hstu_model()
     return _ddp_pair(rank, pieces, lambda compiled, comm: _ddp_model_step(compiled, comm, base))
-
-
-def case_ddp_without_hook(rank, world, pieces):
-    """The DDPOptimizer as torch ships it (our pre-split hook removed): pieces are rewritten
-    separately and the split must be reported as a near miss."""
-    from torch._dynamo.backends.distributed import DDPOptimizer
-
-    from hstu_inductor import _compat
-
-    hooked = DDPOptimizer.compile_fn
-    saved = dict(_compat._DDP_HOOK)
-    DDPOptimizer.compile_fn = hooked.__wrapped__
-    _compat._DDP_HOOK.update(installed=False, reason="pre-split hook removed by the test")
-    try:
-        return case_ddp(rank, world, pieces)
-    finally:
-        DDPOptimizer.compile_fn = hooked
-        _compat._DDP_HOOK.update(saved)
 
 
 class _ShardedLookup(torch.autograd.Function):
@@ -256,7 +238,7 @@ def case_sharded_embedding(rank, world, pieces):
 
         return step, whole
 
-    return _ddp_pair(rank, pieces, make)
+    return _ddp_pair(rank, pieces, make, sharded_params=1)
 
 
 def case_python_reducer(rank, world, pieces):
@@ -280,8 +262,7 @@ def case_python_reducer(rank, world, pieces):
     return _ddp_pair(rank, pieces, make)
 
 
-DDP_CASES = {"ddp": case_ddp, "ddp_without_hook": case_ddp_without_hook,
-             "sharded_embedding": case_sharded_embedding, "python_reducer": case_python_reducer}
+DDP_CASES = {"ddp": case_ddp, "sharded_embedding": case_sharded_embedding, "python_reducer": case_python_reducer}
 
 
 def ddp_cases(rank, world, names):
