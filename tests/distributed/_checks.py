@@ -29,3 +29,14 @@ def check_rewritten_and_equal_to_eager(ranks, *, split: bool, dynamo_graphs=1, c
     sharded = ranks[0]["sharded_params"]  # model-parallel parameters (leading) differ by rank
     for a, b in zip(ranks[0]["grads"][sharded:], ranks[1]["grads"][sharded:]):
         assert (a - b).abs().max() == 0
+
+
+def check_fsdp(ranks, per_kind: int, tol=1e-5):
+    """Rewrites per kind summed over the compiled graphs (``per_kind``), no near misses, no
+    recompiles; loss and each rank's gradient shards equal to eager FSDP2."""
+    for r in ranks:
+        assert r["counts"] == {"attention": per_kind, "preprocess": per_kind, "output": per_kind}, r
+        assert r["near_misses"] == [] and r["recompiles"] == 0
+        assert r["grad_norm"] > 0 and not r["missing_grads"]
+        assert r["loss_err"] < tol and max(r["grad_errs"]) < tol, (r["loss_err"], r["grad_errs"])
+    assert ranks[0]["loss"] != ranks[1]["loss"]  # different batches per rank

@@ -276,3 +276,52 @@ def ddp_cases(rank, world, names):
         out[name] = DDP_CASES[name](rank, world, pieces)
         out[name]["seconds"] = time.perf_counter() - start
     return out
+
+
+# ------------------------------------------------------------------------------------------
+# FSDP2 (torch.distributed.fsdp.fully_shard on a CPU device mesh)
+# ------------------------------------------------------------------------------------------
+
+def _fsdp_model(shard: str, compile_blocks: bool, mesh, compiled: bool):
+    from torch.distributed.fsdp import fully_shard
+
+    model = hstu_model()
+    for layer in model.layers:
+        if shard == "layer":
+            fully_shard(layer, mesh=mesh)
+        if compiled and compile_blocks:
+            layer.compile(backend="hstu")
+    fully_shard(model, mesh=mesh)
+    fwd = torch.compile(model, backend="hstu") if compiled and not compile_blocks else model
+    return model, fwd
+
+
+def fsdp_cases(rank, world, variants):
+    """``variants``: (shard, compile) pairs; shard "layer" (fully_shard per STU layer, then the
+    root) or "root" (the whole model only); compile "whole" (torch.compile(model)) or "block"
+    (each STU layer's ``.compile()``). Gradients compared shard by shard (local tensors)."""
+    import hstu_inductor  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fast_inner_compile()
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for shard, comp in variants:
+        start = time.perf_counter()
+        runs = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            model, fwd = _fsdp_model(shard, comp == "block", mesh, compiled)
+
+            def step(ids, offsets, labels):
+                loss = F.cross_entropy(fwd(ids, offsets), labels)
+                loss.backward()
+                return loss
+
+            report, loss, grads = run_step(step, model, *rank_batch(rank))
+            runs.append((report, loss, [g.to_local() if g is not None else None for g in grads]))
+        res = compare(*runs)
+        res.update(seconds=time.perf_counter() - start, **dynamo_stats())
+        out[(shard, comp)] = res
+    return out
