@@ -128,7 +128,12 @@ def install_ddp_pre_split(pre_split) -> str | None:
         return None
     if orig is None or list(inspect.signature(orig).parameters)[:3] != ["self", "gm", "example_inputs"]:
         return _ddp_hook_failed(f"DDPOptimizer.compile_fn has an unexpected signature in torch {torch.__version__}")
-    if "backend_compile_fn" not in inspect.getsource(DDPOptimizer.__init__):
+    try:  # the wrapped compiler must be readable off an instance, as compile_fn below reads it
+        probe = DDPOptimizer(bucket_bytes_cap=2**30, backend_compile_fn=_ddp_hook_failed)
+    except Exception as e:
+        return _ddp_hook_failed(f"DDPOptimizer(bucket_bytes_cap=, backend_compile_fn=) failed in torch "
+                                f"{torch.__version__} ({type(e).__name__}: {e})")
+    if getattr(probe, "backend_compile_fn", None) is not _ddp_hook_failed:
         return _ddp_hook_failed(f"DDPOptimizer has no backend_compile_fn in torch {torch.__version__}")
 
     @functools.wraps(orig)
