@@ -1,6 +1,10 @@
-"""Assertions shared by the multi-process DDP test files."""
+"""Assertions shared by the multi-process test files."""
+import functools
+
+import pytest
+
 from _launch import run_workers
-from _workers import LAYERS, ddp_cases
+from _workers import LAYERS, ddp_cases, fsdp_cases
 
 ALL = {"attention": LAYERS, "preprocess": LAYERS, "output": LAYERS}
 
@@ -40,3 +44,21 @@ def check_fsdp(ranks, per_kind: int, tol=1e-5):
         assert r["grad_norm"] > 0 and not r["missing_grads"]
         assert r["loss_err"] < tol and max(r["grad_errs"]) < tol, (r["loss_err"], r["grad_errs"])
     assert ranks[0]["loss"] != ranks[1]["loss"]  # different batches per rank
+
+
+def fsdp_results(variants) -> dict:
+    """{(shard, compile): [rank0, rank1]} for _workers.fsdp_cases, one pair of processes for all."""
+    per_rank = run_workers(fsdp_cases, world=2, args=(list(variants),), timeout=240)
+    return {v: [r[v] for r in per_rank] for v in variants}
+
+
+def fsdp_test(variants: dict):
+    """A test parametrized over ``variants`` ({(shard, compile): rewrites per kind}); the processes
+    run once, for the first variant, and serve them all."""
+    results = functools.cache(lambda: fsdp_results(variants))
+
+    @pytest.mark.parametrize("variant", list(variants), ids=lambda v: "-".join(v))
+    def test(variant):
+        check_fsdp(results()[variant], variants[variant])
+
+    return test

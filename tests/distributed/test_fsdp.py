@@ -8,24 +8,13 @@ Gradients: each rank's local shard, compiled vs eager FSDP2.
 """
 import pytest
 
-from _checks import check_fsdp
+from _checks import fsdp_test
 
 if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
     pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
-from _launch import run_workers
-from _workers import LAYERS, fsdp_cases
 
-# (shard, compile) -> rewrites per kind summed over the compiled graphs: LAYERS when one graph
-# holds every block, 1 when the blocks share one compiled graph (STULayer.forward, reused).
+# (shard, compile) -> rewrites per kind summed over the compiled graphs: 1, as every layer is its
+# own graph (FSDP hooks break the graph at each layer) and they share one compiled STULayer.forward.
 VARIANTS = {("layer", "whole"): 1, ("layer", "block"): 1}
 
-
-@pytest.fixture(scope="module")
-def results():
-    per_rank = run_workers(fsdp_cases, world=2, args=(list(VARIANTS),), timeout=240)
-    return {v: [r[v] for r in per_rank] for v in VARIANTS}
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS), ids=lambda v: "-".join(v))
-def test_fsdp2_every_block_rewritten_and_grads_equal(results, variant):
-    check_fsdp(results[variant], VARIANTS[variant])
+test_fsdp2_every_block_rewritten_and_grads_equal = fsdp_test(VARIANTS)
