@@ -55,11 +55,12 @@ _state = threading.local()
 @contextlib.contextmanager
 def _ddp_pieces():
     """Inside: the backend compiles DDP split pieces of a graph that was rewritten whole."""
+    before = getattr(_state, "ddp_pieces", False)
     _state.ddp_pieces = True
     try:
         yield
     finally:
-        _state.ddp_pieces = False
+        _state.ddp_pieces = before
 
 
 def _rewrite_before_ddp_split(split, backend, gm):
