@@ -2,15 +2,23 @@
 
     python examples/train_hstu.py                 # CPU, small model, a few dozen steps
     python examples/train_hstu.py --device cuda   # on a GPU
+    python examples/train_hstu.py --ddp 2         # DistributedDataParallel, 2 local processes
+    torchrun --nproc-per-node 2 examples/train_hstu.py --ddp --device cuda   # NCCL, one GPU each
 
 The model (``hstu_inductor.reference.HSTUModel``) is written with plain torch ops; the backend
 has to find its HSTU subgraphs on its own. The script prints what was rewritten, checks the
 first step's loss and gradients against eager, then trains and prints the loss curve.
+
+With ``--ddp`` the model is wrapped in ``DistributedDataParallel`` (gloo on CPU, NCCL on CUDA),
+each rank trains on its own batches, and the report and the eager check cover the DDP-wrapped
+compile (Dynamo's DDPOptimizer splits its graph at gradient buckets; docs/distributed.md).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import math
+import os
 import sys
 import time
 
@@ -19,6 +27,7 @@ import torch.nn.functional as F
 
 import hstu_inductor
 from hstu_inductor.reference import HSTUModel
+from hstu_inductor.report import collecting
 
 
 def synthetic_batch(gen, batch_size, max_seq_len, num_items, device, noise=0.1):
@@ -100,43 +109,97 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ddp", type=int, nargs="?", const=0, default=None, metavar="N",
+                   help="DistributedDataParallel: spawn N local processes, or (no N) join the torchrun job")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size (with --ddp)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda requested but CUDA is not available")
+    if args.bucket_cap_mb < 1:  # torch: "First bucket should be smaller/equal to other buckets"
+        p.error("--bucket-cap-mb must be >= 1 under torch.compile (the DDPOptimizer's first bucket is 1 MiB)")
+    if args.ddp is None:
+        return train(args)
+    if "LOCAL_RANK" in os.environ:  # started by torchrun: the rendezvous comes from the environment
+        return train(args, distributed=True)
+    if args.ddp < 1:
+        p.error("--ddp without N needs torchrun; give N to spawn N local processes")
+    import torch.multiprocessing as mp
 
-    torch.manual_seed(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
+    mp.spawn(_spawned, args=(args, _free_port()), nprocs=args.ddp)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank, args, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(args.ddp))
+    train(args, distributed=True)
+
+
+def train(args, distributed=False):
+    """Single-process training, or one rank of DDP training (process group from the environment)."""
+    import torch.distributed as dist
+
+    rank = 0
     dev = torch.device(args.device)
+    if distributed:
+        rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        if dev.type == "cuda":
+            dev = torch.device("cuda", local)
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    say = print if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    gen = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batches
     model = HSTUModel(args.num_items, args.max_seq_len, embedding_dim=args.embedding_dim, num_layers=args.layers,
                       num_heads=args.heads, attn_dim=args.head_dim, hidden_dim=args.head_dim).to(dev)
-    print(f"HSTUModel: {sum(p.numel() for p in model.parameters())} parameters, {args.layers} layers, "
-          f"device {dev}, torch {torch.__version__}")
+    say(f"HSTUModel: {sum(p.numel() for p in model.parameters())} parameters, {args.layers} layers, "
+        f"device {dev}, torch {torch.__version__}"
+        + (f", DDP over {dist.get_world_size()} processes" if distributed else ""))
 
     ids, offsets = synthetic_batch(gen, args.batch_size, args.max_seq_len, args.num_items, dev)
-    print("\n== what backend='hstu' rewrites ==")
-    report = hstu_inductor.explain(model, ids, offsets)
-    print(report)
-    torch._dynamo.reset()
+    say("\n== what backend='hstu' rewrites ==")
+    if distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-    compiled = torch.compile(model, backend="hstu")
+        eager = DDP(copy.deepcopy(model), bucket_cap_mb=args.bucket_cap_mb)  # the reference: eager DDP
+        compiled = torch.compile(DDP(model, bucket_cap_mb=args.bucket_cap_mb), backend="hstu")
+    else:
+        eager = model
+        say(hstu_inductor.explain(model, ids, offsets))
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="hstu")
 
     # First step: compiled loss and gradients must match eager on the same batch and weights.
-    print("\n== first-step check against eager ==")
-    loss_eager = next_item_loss(model(ids, offsets), ids, offsets)
-    grads_eager = torch.autograd.grad(loss_eager, list(model.parameters()))
-    loss_comp = next_item_loss(compiled(ids, offsets), ids, offsets)
-    grads_comp = torch.autograd.grad(loss_comp, list(model.parameters()))
+    with collecting() as report:  # under DDP: what the DDP-split compile rewrote
+        loss_comp = next_item_loss(compiled(ids, offsets), ids, offsets)
+        loss_comp.backward()
+    if distributed:
+        say(report)
+    grads_comp = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    say("\n== first-step check against eager ==")
+    loss_eager = next_item_loss(eager(ids, offsets), ids, offsets)
+    loss_eager.backward()
+    grads_eager = [p.grad.clone() for p in eager.parameters()]
+    model.zero_grad(set_to_none=True)
     loss_err = abs(loss_comp.item() - loss_eager.item()) / abs(loss_eager.item())
     grad_err = max(rel_err(gc, ge) for gc, ge in zip(grads_comp, grads_eager) if ge.norm() > 0)
     tol = 1e-4 if dev.type == "cpu" else 2e-3
-    print(f"loss eager {loss_eager.item():.6f} compiled {loss_comp.item():.6f} rel err {loss_err:.2e}; "
-          f"max grad rel err {grad_err:.2e} (tolerance {tol:g})")
+    say(f"loss eager {loss_eager.item():.6f} compiled {loss_comp.item():.6f} rel err {loss_err:.2e}; "
+        f"max grad rel err {grad_err:.2e} (tolerance {tol:g})")
     if not (loss_err < tol and grad_err < 10 * tol):
-        raise SystemExit("FAILED: compiled model disagrees with eager on the first step")
+        raise SystemExit(f"FAILED (rank {rank}): compiled model disagrees with eager on the first step")
 
-    print(f"\n== training {args.steps} steps ==")
+    say(f"\n== training {args.steps} steps ==")
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    losses, bar = [], Progress(args.steps)
+    losses, bar = [], Progress(args.steps) if rank == 0 else None
     for step in range(1, args.steps + 1):
         ids, offsets = synthetic_batch(gen, args.batch_size, args.max_seq_len, args.num_items, dev)
         loss = next_item_loss(compiled(ids, offsets), ids, offsets)
@@ -144,13 +207,16 @@ def main(argv=None):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        bar.update(step, losses[-1])
-    print(plot_curve(losses))
+        if bar is not None:
+            bar.update(step, losses[-1])
+    say(plot_curve(losses))
     first, last = sum(losses[:5]) / min(5, len(losses)), sum(losses[-5:]) / min(5, len(losses))
-    print(f"loss: first 5 steps {first:.4f} -> last 5 steps {last:.4f} (uniform guess {math.log(args.num_items):.4f})")
+    say(f"loss: first 5 steps {first:.4f} -> last 5 steps {last:.4f} (uniform guess {math.log(args.num_items):.4f})")
+    if distributed:
+        dist.destroy_process_group()
     if not last < first:
-        raise SystemExit("FAILED: loss did not decrease")
-    print("OK")
+        raise SystemExit(f"FAILED (rank {rank}): loss did not decrease")
+    say("OK")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 __all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options", "guarded", "plain_eager",
-           "njt_view_target", "is_njt", "size_hint", "specialize_ints"]
+           "njt_view_target", "is_njt", "size_hint", "specialize_ints", "install_ddp_pre_split",
+           "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "unwrap_backend"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -108,3 +109,97 @@ def plain_eager(*tensors) -> bool:
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
     return all(type(t) is torch.Tensor for t in tensors if isinstance(t, torch.Tensor))
+
+
+# --------------------------------------------------------------------------------------------
+# DistributedDataParallel: Dynamo's DDPOptimizer splits each graph at gradient-bucket boundaries
+# and calls the backend once per piece, so a block straddling a boundary is never seen whole.
+# The hook below lets our backend rewrite the *unsplit* graph first (docs/distributed.md).
+# --------------------------------------------------------------------------------------------
+
+_DDP_HOOK = {"installed": False, "reason": "not attempted"}
+
+
+def install_ddp_pre_split(pre_split) -> str | None:
+    """Wrap ``DDPOptimizer.compile_fn`` so that ``pre_split(split, backend, gm)`` runs on the whole
+    Dynamo graph before the bucket split; ``split(g)`` runs the original split-and-compile on ``g``
+    and ``backend`` is the compiler the DDPOptimizer was given. Returns None when installed (or
+    already installed), else why not; :func:`ddp_pre_split_status` keeps that reason.
+
+    Private API (torch 2.11 .. 2.13: ``DDPOptimizer.compile_fn(self, gm, example_inputs, **kw)``
+    and ``self.backend_compile_fn``), so every assumption is checked and failure is reported,
+    never raised: without the hook DDP training still works, only the split blocks stay unfused.
+    """
+    import functools
+    import inspect
+
+    try:
+        from torch._dynamo.backends.distributed import DDPOptimizer
+    except Exception as e:  # torch built without distributed support, or the module moved
+        return _ddp_hook_failed(f"torch._dynamo.backends.distributed.DDPOptimizer unavailable ({e})")
+    orig = DDPOptimizer.__dict__.get("compile_fn")
+    if getattr(orig, "_hstu_pre_split", False):
+        return None
+    if orig is None or list(inspect.signature(orig).parameters)[:3] != ["self", "gm", "example_inputs"]:
+        return _ddp_hook_failed(f"DDPOptimizer.compile_fn has an unexpected signature in torch {torch.__version__}")
+    try:  # the wrapped compiler must be readable off an instance, as compile_fn below reads it
+        probe = DDPOptimizer(bucket_bytes_cap=2**30, backend_compile_fn=_ddp_hook_failed)
+    except Exception as e:
+        return _ddp_hook_failed(f"DDPOptimizer(bucket_bytes_cap=, backend_compile_fn=) failed in torch "
+                                f"{torch.__version__} ({type(e).__name__}: {e})")
+    if getattr(probe, "backend_compile_fn", None) is not _ddp_hook_failed:
+        return _ddp_hook_failed(f"DDPOptimizer has no backend_compile_fn in torch {torch.__version__}")
+
+    @functools.wraps(orig)
+    def compile_fn(self, gm, example_inputs, **kwargs):
+        return pre_split(lambda g: orig(self, g, example_inputs, **kwargs), self.backend_compile_fn, gm)
+
+    compile_fn._hstu_pre_split = True
+    DDPOptimizer.compile_fn = compile_fn
+    _DDP_HOOK.update(installed=True, reason=None)
+    return None
+
+
+def _ddp_hook_failed(reason: str) -> str:
+    _DDP_HOOK.update(installed=False, reason=reason)
+    return reason
+
+
+def ddp_pre_split_status() -> str | None:
+    """None when the DDP pre-split hook is installed, else why it is not."""
+    return None if _DDP_HOOK["installed"] else _DDP_HOOK["reason"]
+
+
+def unwrap_backend(backend):
+    """``(fn, kwargs)``: the compiler function under Dynamo's wrappers (``WrapBackendDebug``,
+    ``torch.compile``'s ``_TorchCompileWrapper`` with its mode/options kwargs, ``functools.wraps``
+    chains), and the keyword arguments those wrappers pass to it."""
+    kwargs, seen = {}, set()
+    while id(backend) not in seen:
+        seen.add(id(backend))
+        if callable(getattr(backend, "compiler_fn", None)) and isinstance(getattr(backend, "kwargs", None), dict):
+            kwargs = {**backend.kwargs, **kwargs}
+            backend = backend.compiler_fn
+        elif getattr(backend, "_torchdynamo_orig_backend", None) is not None:
+            backend = backend._torchdynamo_orig_backend
+        elif getattr(backend, "__wrapped__", None) is not None:
+            backend = backend.__wrapped__
+    return backend, kwargs
+
+
+def carry_dynamo_placeholder_meta(src: torch.fx.GraphModule, dst: torch.fx.GraphModule) -> bool:
+    """Give ``dst`` (an ATen retrace of the Dynamo graph ``src``, same inputs in the same order)
+    what the DDPOptimizer reads off a Dynamo graph: each placeholder's Dynamo metadata (its
+    ``example_value`` tells parameters apart, which places the bucket splits) and source, and the
+    graph-level ``meta`` / ``_param_name_to_source``. False (nothing changed) if the inputs differ."""
+    src_ph, dst_ph = list(src.graph.find_nodes(op="placeholder")), list(dst.graph.find_nodes(op="placeholder"))
+    if len(src_ph) != len(dst_ph):
+        return False
+    for s, d in zip(src_ph, dst_ph):
+        for key, value in s.meta.items():
+            d.meta.setdefault(key, value)
+        d._dynamo_source = getattr(s, "_dynamo_source", None)
+    dst.meta = {**getattr(src, "meta", {}), **dst.meta}
+    if hasattr(src, "_param_name_to_source"):
+        dst._param_name_to_source = src._param_name_to_source
+    return True

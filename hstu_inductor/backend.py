@@ -7,12 +7,19 @@ point, so no import of ``hstu_inductor`` is needed. Flow per Dynamo graph:
 2. run the rewriters (``patterns``), which replace proven HSTU subgraphs by ``torch.ops.hstu.*``;
 3. hand the rewritten graph (or, if nothing was rewritten, the original one) to ``compile_fx``.
 
+Under ``DistributedDataParallel`` Dynamo's DDPOptimizer splits each graph at gradient-bucket
+boundaries before calling the backend per piece; :func:`_rewrite_before_ddp_split` (installed into
+it through ``_compat``) runs steps 1-2 on the whole graph first, so the split only cuts between
+rewritten blocks (each hstu op is one node), and each piece then gets step 3 alone.
+
 Because the hstu ops are in the graph Inductor receives, Inductor's FX graph cache keys them
 like any other op; AOTAutograd differentiates through their registered autograd.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 
 import torch
 import torch._inductor.custom_graph_pass
@@ -30,12 +37,65 @@ def hstu_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = No
     from . import ops  # noqa: F401  (register torch.ops.hstu.*)
     from .patterns import rewrite_dynamo_graph
 
-    rewritten = rewrite_dynamo_graph(gm)
+    if getattr(_state, "ddp_pieces", False):
+        rewritten = None  # a piece of a graph already rewritten whole, before the DDP split
+    else:
+        _report_ddp_piece(gm)
+        rewritten = rewrite_dynamo_graph(gm)
     if rewritten is not None:
         log.debug("hstu_inductor: rewritten graph\n%s", rewritten.code)
     patches = {**_compat.mode_options(mode), **(options or {})}
     patches["post_grad_custom_post_pass"] = _with_audit(patches.get("post_grad_custom_post_pass"))
     return _compat.compile_fx(rewritten if rewritten is not None else gm, example_inputs, patches)
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def _ddp_pieces():
+    """Inside: the backend compiles DDP split pieces of a graph that was rewritten whole."""
+    before = getattr(_state, "ddp_pieces", False)
+    _state.ddp_pieces = True
+    try:
+        yield
+    finally:
+        _state.ddp_pieces = before
+
+
+def _rewrite_before_ddp_split(split, backend, gm):
+    """DDPOptimizer hook (``_compat.install_ddp_pre_split``): for our backend, rewrite the whole
+    Dynamo graph, then let the DDPOptimizer split the result and compile each piece (without a
+    second rewrite). Other backends, and graphs we cannot hand over intact, are left alone."""
+    if _compat.unwrap_backend(backend)[0] is not hstu_backend:
+        return split(gm)
+    from . import ops  # noqa: F401
+    from .patterns import rewrite_dynamo_graph
+
+    config.validate()
+    rewritten = rewrite_dynamo_graph(gm)
+    if rewritten is not None and not _compat.carry_dynamo_placeholder_meta(gm, rewritten):
+        log.warning("hstu_inductor: ATen retrace changed the graph inputs; DDP pieces compiled unrewritten")
+        rewritten = None
+    with _ddp_pieces():
+        return split(rewritten if rewritten is not None else gm)
+
+
+def _report_ddp_piece(gm) -> None:
+    """Near miss for a graph the DDPOptimizer split before we saw it (only when the pre-split hook
+    is missing): blocks cut by a bucket boundary are then silently left to stock Inductor."""
+    reason = str(getattr(gm, "compile_subgraph_reason", ""))
+    if "DDPOptimizer" not in reason:
+        return
+    from .report import RewriteReport, publish
+
+    why = _compat.ddp_pre_split_status() or "hook not applied to this graph"
+    report = RewriteReport()
+    report.near_misses.append(("graph", "DDPOptimizer split this graph at DDP gradient-bucket boundaries before the "
+                                        f"backend saw it ({why}); a block cut by a split is not rewritten. Keep "
+                                        "blocks whole with torch._dynamo.config.optimize_ddp='python_reducer' "
+                                        "(docs/distributed.md)"))
+    publish(report)
 
 
 def _with_audit(user_pass):
@@ -68,3 +128,6 @@ def register() -> None:
 
     if "hstu" not in _BACKENDS:
         register_backend(hstu_backend, name="hstu")
+    reason = _compat.install_ddp_pre_split(_rewrite_before_ddp_split)
+    if reason is not None:
+        log.info("hstu_inductor: DDP graph splits not handled (%s); see docs/distributed.md", reason)

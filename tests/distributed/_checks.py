@@ -1,0 +1,64 @@
+"""Assertions shared by the multi-process test files."""
+import functools
+
+import pytest
+
+from _launch import run_workers
+from _workers import LAYERS, ddp_cases, fsdp_cases
+
+ALL = {"attention": LAYERS, "preprocess": LAYERS, "output": LAYERS}
+
+
+def run_case(case: str) -> list:
+    """Per-rank results of one case from _workers.DDP_CASES (2 gloo processes)."""
+    return [r[case] for r in run_workers(ddp_cases, world=2, args=((case,),), timeout=240)]
+
+
+def check_rewritten_and_equal_to_eager(ranks, *, split: bool, dynamo_graphs=1, comm_hook=True, tol=1e-5):
+    """Every block rewritten in the one Dynamo graph of the model; loss and every gradient equal
+    to eager DDP; DDP reduced as many buckets as in eager; the ranks ended with the same averaged
+    gradients although their batches differ."""
+    for r in ranks:
+        assert r["counts"] == ALL and r["near_misses"] == [], r
+        assert dynamo_graphs is None or r["dynamo_graphs"] == dynamo_graphs
+        assert r["recompiles"] == 0
+        if split:
+            assert r["pieces"] > 1, "the DDPOptimizer did not split: the test would prove nothing"
+        assert r["grad_norm"] > 0 and not r["missing_grads"]
+        assert r["loss_err"] < tol, r["loss_err"]
+        assert max(r["grad_errs"]) < tol, r["grad_errs"]
+        if comm_hook:  # DDP's C++ reducer called our counting comm hook once per bucket
+            assert r["allreduces_compiled"] == r["allreduces_eager"] >= 1  # same buckets: no extra collectives
+    assert ranks[0]["loss"] != ranks[1]["loss"]  # different batches per rank
+    sharded = ranks[0]["sharded_params"]  # model-parallel parameters (leading) differ by rank
+    for a, b in zip(ranks[0]["grads"][sharded:], ranks[1]["grads"][sharded:]):
+        assert (a - b).abs().max() == 0
+
+
+def check_fsdp(ranks, per_kind: int, tol=1e-5):
+    """Rewrites per kind summed over the compiled graphs (``per_kind``), no near misses, no
+    recompiles; loss and each rank's gradient shards equal to eager FSDP2."""
+    for r in ranks:
+        assert r["counts"] == {"attention": per_kind, "preprocess": per_kind, "output": per_kind}, r
+        assert r["near_misses"] == [] and r["recompiles"] == 0
+        assert r["grad_norm"] > 0 and not r["missing_grads"]
+        assert r["loss_err"] < tol and max(r["grad_errs"]) < tol, (r["loss_err"], r["grad_errs"])
+    assert ranks[0]["loss"] != ranks[1]["loss"]  # different batches per rank
+
+
+def fsdp_results(variants) -> dict:
+    """{(shard, compile): [rank0, rank1]} for _workers.fsdp_cases, one pair of processes for all."""
+    per_rank = run_workers(fsdp_cases, world=2, args=(list(variants),), timeout=240)
+    return {v: [r[v] for r in per_rank] for v in variants}
+
+
+def fsdp_test(variants: dict):
+    """A test parametrized over ``variants`` ({(shard, compile): rewrites per kind}); the processes
+    run once, for the first variant, and serve them all."""
+    results = functools.cache(lambda: fsdp_results(variants))
+
+    @pytest.mark.parametrize("variant", list(variants), ids=lambda v: "-".join(v))
+    def test(variant):
+        check_fsdp(results()[variant], variants[variant])
+
+    return test

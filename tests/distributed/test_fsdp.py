@@ -1,0 +1,20 @@
+"""HSTU rewrites under FSDP2 (``fully_shard``) on a CPU device mesh, 2 gloo processes.
+
+FSDP2 runs on a CPU mesh over gloo (measured on torch 2.13). Its parameters are DTensors outside forward; inside a
+sharded module's forward they are all-gathered plain tensors, so Dynamo sees ordinary parameters.
+Dynamo breaks the graph at each ``fully_shard`` module's hooks (``skip_fsdp_hooks``), so a block
+sharded on its own is its own graph: compiled once and reused by every layer (no recompiles).
+Gradients: each rank's local shard, compiled vs eager FSDP2.
+"""
+import pytest
+
+from _checks import fsdp_test
+
+if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+    pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
+
+# (shard, compile) -> rewrites per kind summed over the compiled graphs: 1, as every layer is its
+# own graph (FSDP hooks break the graph at each layer) and they share one compiled STULayer.forward.
+VARIANTS = {("layer", "whole"): 1, ("layer", "block"): 1}
+
+test_fsdp2_every_block_rewritten_and_grads_equal = fsdp_test(VARIANTS)
