@@ -112,3 +112,40 @@ def test_real_compile_b16_n2048_equal_to_eager(monkeypatch):
     ref = fn(q, k, v, offsets)  # eager, the semantic reference (fp64 would double the test's time)
     err = (out - ref).norm() / ref.norm()
     assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_export_static_and_dynamic_rewritten(dynamic, monkeypatch):
+    """``hstu_inductor.export.rewrite_exported_program`` at N=2048: static shapes (everything
+    generalised) and Dim.AUTO shapes (B and L symbolic, the constant N generalised)."""
+    import hstu_inductor.export as hx
+    from torch.export import Dim
+
+    monkeypatch.setattr(sp, "N", 2048)
+    fn = sp.SPELLINGS["einsum_index_put_tril"][0]
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 2049, (16,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    L = int(offsets[-1])
+    q, k, v = (torch.randn(L, 2, 8, generator=g) for _ in range(3))
+    shapes = {"args": ({0: Dim.AUTO},) * 4} if dynamic else None
+    ep = torch.export.export(_Fn(fn), (q, k, v, offsets), dynamic_shapes=shapes)
+    new_ep, report = hx.rewrite_exported_program(ep)
+    assert report.counts["attention"] == 1, report.near_misses
+    targets = [n.target for n in new_ep.graph.nodes if n.op == "call_function"]
+    assert torch.ops.hstu.attention.default in targets
+
+
+def test_max_autotune_mode_rewritten():
+    """``mode="max-autotune"`` (Inductor autotunes its own kernels) still gets the rewrite."""
+    import sys, os
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_attention_helpers import spelling_inputs
+
+    fn, args = spelling_inputs("matmul_index_copy_where")
+    torch._dynamo.reset()
+    with collecting() as report:
+        out = torch.compile(fn, backend="hstu", mode="max-autotune")(*args)
+    assert report.counts["attention"] == 1, report.near_misses
+    ref = fn(*args)
+    assert ((out - ref).norm() / ref.norm()) < 1e-5
