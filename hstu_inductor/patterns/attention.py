@@ -362,6 +362,8 @@ def _feature_axes(src, prefix):
             raise Decline(f"jagged source {src.name} has symbolic feature dims {tuple(shape)}")
         # dynamic=True makes head/feature dims symbolic although models fix them (weights): take
         # them as constants, guarded, so the compiled graph recompiles if they ever change
+        # (a feature size equal to B shares B's symbol under duck sizing: B is then fixed too, and a
+        # batch of another size recompiles once with separate symbols)
         _compat.specialize_ints(shape[1:])
         shape = _val(src).shape
         if not all(is_static(s) for s in shape[1:]):
@@ -399,14 +401,18 @@ def feature_slice(n):
         dim = (parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim", 0)) \
             if pt is not aten.unbind.int else (parent.args[1] if len(parent.args) > 1 else 0)
         dim = dim % xv.dim()
-        if not is_static(xv.shape[dim]):
+        if _static_feature(x, xv.shape[dim]) is None:
             return None
         size = int(xv.shape[dim])
         if pt is aten.split_with_sizes.default:
-            sizes = [int(z) for z in parent.args[1]]
+            sizes = [_static_feature(x, z) for z in parent.args[1]]
+            if None in sizes:
+                return None
             return x, dim, sum(sizes[:i]), sum(sizes[:i + 1]), False
         if pt is aten.split.Tensor:
-            step = int(parent.args[1])
+            step = _static_feature(x, parent.args[1])
+            if step is None:
+                return None
             return x, dim, i * step, min(size, (i + 1) * step), False
         if pt is aten.unbind.int:
             return x, dim, i, i + 1, True
@@ -418,7 +424,7 @@ def feature_slice(n):
     if not isinstance(xv, torch.Tensor):
         return None
     dim = (n.args[1] if len(n.args) > 1 else 0) % xv.dim()
-    if not is_static(xv.shape[dim]):
+    if _static_feature(x, xv.shape[dim]) is None:
         return None
     size = int(xv.shape[dim])
     if t is aten.select.int:
@@ -434,6 +440,32 @@ def feature_slice(n):
         return None
     start, stop, _ = slice(start, end).indices(size)
     return (x, dim, start, stop, False) if start < stop else None
+
+
+def _static_feature(x, size):
+    """``size`` (an int, a SymInt or a node holding one) as an int: static, or a symbolic feature
+    size specialised with a guard (``config.specialize_features``: symbols that size no input's
+    rows, as ``dynamic=True`` makes head and feature dims). None otherwise."""
+    val = _val(size) if isinstance(size, torch.fx.Node) else size
+    if isinstance(val, int):
+        return val
+    if not isinstance(val, torch.SymInt):
+        return None
+    if not is_static(val):
+        if not config.specialize_features or sym_expr(val).free_symbols & _row_symbols(x.graph):
+            return None
+        _compat.specialize_ints([val])
+    return int(sym_expr(val)) if is_static(val) else None
+
+
+def _row_symbols(graph) -> set:
+    """Symbols of the row counts of the graph's inputs (dim 0 of each input tensor)."""
+    out = set()
+    for p in graph.find_nodes(op="placeholder"):
+        v = _val(p)
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            out |= sym_expr(v.shape[0]).free_symbols
+    return out
 
 
 def walk_sliced(node):
@@ -829,7 +861,8 @@ def _prove(gm, S, pv, lengths) -> Plan:
     # ---- output side: O -> dense (-> row scales) -> unpad (-> row scales)
     Odense, o_ops, fo, pre = output_chain(pv, plan)
     scale_leaf = _unify_scales(scale_leaf, chain_scale, pre)
-    U = next(iter(Odense.users)) if len(Odense.users) == 1 else None
+    o_users = [u for u in Odense.users if u.target not in _SIZE_READS]
+    U = o_users[0] if len(o_users) == 1 else None
     # no unpad in this graph (e.g. a graph break before torch.nested.masked_select, or a padded
     # consumer): the dense output itself is replaced by pad(hstu.attention) (padding rows proven 0)
     plan.dense = U is None or U.op != "call_function" or U.target not in _UNPAD_OPS
@@ -888,11 +921,16 @@ def _prove(gm, S, pv, lengths) -> Plan:
     if U is not out:
         region.add(U)
     region.discard(out)  # dense mode: the output is Odense itself
+    plan.size_reads = []
     for n in region:
         for u in n.users:
-            if u not in region and u is not out and not _is_dead(u):
-                raise Decline(f"intermediate {n.name} has a user outside the attention ({u.name}); "
-                              f"rewriting would keep it alive")
+            if u in region or u is out or _is_dead(u):
+                continue
+            if u.target in _SIZE_READS and size_source(u) is not None:  # re-read from inputs on rewrite
+                plan.size_reads.append(u)
+                continue
+            raise Decline(f"intermediate {n.name} has a user outside the attention ({u.name}); "
+                          f"rewriting would keep it alive")
 
     # ---- numeric proof (real tensors: leave the tracing fake mode for the probes)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -1436,9 +1474,68 @@ def emit_offsets(graph, plan):
     return _emit(graph, aten.cat.default, [[zero, csum]])  # (constant_pad_nd's meta would specialize B)
 
 
+_SIZE_READS = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
+
+
+def size_source(read):
+    """A way to compute the SymInt a size read of an intermediate gives from the graph's inputs
+    (fully symbolic graphs, e.g. ``dynamic=True``, read sizes of every tensor): ``(placeholder,
+    dim)``, a SymInt placeholder, or None. Used to re-point such reads before the rewrite."""
+    val = _val(read)
+    if isinstance(val, int):
+        return val
+    if not isinstance(val, torch.SymInt):
+        return None
+    return _expr_source(read.graph, sym_expr(val))
+
+
+def _expr_source(graph, expr):
+    """``expr`` as an input size, or a product of input sizes (a list of sources); else None."""
+    for p in graph.find_nodes(op="placeholder"):
+        pv = _val(p)
+        if isinstance(pv, torch.SymInt) and sympy.expand(sym_expr(pv) - expr) == 0:
+            return p
+        if isinstance(pv, torch.Tensor):
+            for d, sz in enumerate(pv.shape):
+                if sympy.expand(sym_expr(sz) - expr) == 0:
+                    return (p, d)
+    const, term = sympy.expand(expr).as_coeff_Add()
+    if const != 0 and const.is_Integer:  # e.g. B = len(offsets) - 1
+        base = _expr_source(graph, term)
+        return None if base is None else ("add", base, int(const))
+    coeff, rest = sympy.factor(expr).as_coeff_Mul()
+    factors = [b for f in sympy.Mul.make_args(rest) for b, e in [f.as_base_exp()]
+               for _ in range(int(e) if e.is_Integer and e > 0 else 0)]
+    if len(factors) < 2 or not coeff.is_Integer:
+        return None
+    parts = [_expr_source(graph, f) for f in factors]
+    return None if any(x is None for x in parts) else [int(coeff), *parts]
+
+
+def _emit_source(graph, src):
+    if isinstance(src, (int, torch.fx.Node)):
+        return src
+    if isinstance(src, tuple) and src[0] == "add":
+        return _emit(graph, operator.add, [_emit_source(graph, src[1]), src[2]])
+    if isinstance(src, tuple):
+        return _emit(graph, aten.sym_size.int, list(src))
+    out = src[0]
+    for part in src[1:]:
+        out = _emit(graph, operator.mul, [out, _emit_source(graph, part)])
+    return out
+
+
+def _reroute_size_reads(graph, plan):
+    for read in getattr(plan, "size_reads", ()):
+        with graph.inserting_before(read):
+            new = _emit_source(graph, size_source(read))
+        read.replace_all_uses_with(new)
+
+
 def rewrite(gm, plan: Plan):
     graph = gm.graph
     q, k, v = plan.q, plan.k, plan.v
+    _reroute_size_reads(graph, plan)
     with graph.inserting_before(plan.out):
         q3 = _regroup(graph, _narrowed(graph, q), q.feat, "q", [plan.head_modes, plan.c_modes])
         k3 = q3 if (k.src, k.narrows) == (q.src, q.narrows) else \

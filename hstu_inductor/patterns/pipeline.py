@@ -17,6 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .. import _compat, config
 from ..report import RewriteReport, publish
 from .canonicalize import canonicalize, grad_losing_njt
+from .float_inputs import specialise_float_inputs
 from .registry import REWRITERS
 
 log = logging.getLogger("hstu_inductor")
@@ -156,6 +157,7 @@ def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
     try:
         with fake_mode:
             aten_gm = _compat.trace_aten(canon, _compat.placeholder_values(canon))
+        specialise_float_inputs(canon, aten_gm)  # dynamic=True: floats read with .item() (float_inputs.py)
     except Exception as e:  # a graph we cannot retrace is still compiled by stock Inductor
         if config.strict:
             raise

@@ -136,7 +136,7 @@ def _env_hints(shape_env) -> dict:
     table = getattr(shape_env, "backed_var_to_val", None)  # torch >= 2.13
     if table is None:
         table = shape_env.var_to_val
-    return {k: int(v) for k, v in table.items()}
+    return {k: int(v) for k, v in table.items() if getattr(v, "is_Integer", True)}  # nested ints: no hint
 
 
 def hints(*vals) -> dict:
