@@ -687,8 +687,9 @@ def _probe(inputs: list, row_inputs: set, outputs: list, op_fn: Callable, rows,
 # ---------------------------------------------------------------------------------------------
 # preprocess
 # ---------------------------------------------------------------------------------------------
-def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport) -> bool:
-    """Try ``node`` as the uvqk tensor that is split 4 ways. Returns True when rewritten."""
+def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport, seen=None) -> bool:
+    """Try ``node`` as the uvqk tensor that is split 4 ways. Returns True when rewritten.
+    ``seen`` collects the projections examined (for ``_report_unexamined``)."""
     graph = gm.graph
     split = _match_split(node)
     if split is None:
@@ -700,6 +701,8 @@ def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport) -
     proj = _match_projection(proj_node)
     if proj is None:
         return False  # a 4-way split of something that is not a projection: not a candidate
+    if seen is not None:
+        seen.add(proj_node)
     where = f"{_name(split.first)}"
     if silu_all_pre is not None:
         acts = _activation_users(proj_node)
@@ -812,8 +815,34 @@ def _preprocess_candidates(graph: Graph) -> list:
 def rewrite_preprocess(gm: GraphModule, report: RewriteReport) -> None:
     """LayerNorm -> projection -> split(u, v, q, k) -> silu(u)  =>  hstu.stu_preprocess."""
     gm.graph.eliminate_dead_code()
-    _rewrite_each(gm, report, "preprocess", _preprocess_candidates(gm.graph), _rewrite_preprocess_at,
-                  lambda n: bool(n.users))
+    seen: set = set()
+    _rewrite_each(gm, report, "preprocess", _preprocess_candidates(gm.graph),
+                  lambda g, n, r: _rewrite_preprocess_at(g, n, r, seen), lambda n: bool(n.users))
+    _report_unsplit_projections(gm, report, seen)
+
+
+def _quiet(fn, *args):
+    """``fn(*args)``, or None where it declines (used to look for candidates, not to prove them)."""
+    try:
+        return fn(*args)
+    except Decline:
+        return None
+
+
+def _report_unsplit_projections(gm: GraphModule, report: RewriteReport, seen: set) -> None:
+    """``explain`` is never silent about a LayerNorm feeding a projection: one that is not a
+    preprocess candidate (its output is not split four ways) is reported as a near miss."""
+    done = set()
+    for n in gm.graph.nodes:
+        if n in seen or not n.users:
+            continue
+        proj = _quiet(_match_projection, n)
+        norm = _quiet(_match_norm, proj.inp) if proj is not None and isinstance(proj.inp, Node) else None
+        if norm is None or norm.groups or norm.out in done:
+            continue
+        done.add(norm.out)
+        report.near_misses.append(("preprocess", f"{_name(n)}: projection of LayerNorm({norm.src.name}) is not "
+                                                 "split into four chunks u, v, q, k along the last dim"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -893,11 +922,11 @@ def _residual_addmm(add: Node) -> Optional[ProjMatch]:
     return ProjMatch("addmm(x, y, W.t())" if lin else "addmm(x, y, W)", y, w, lin, None, [add])
 
 
-def _rewrite_output_at(gm: GraphModule, add: Node, report: RewriteReport) -> bool:
+def _rewrite_output_at(gm: GraphModule, add: Node, report: RewriteReport, seen=None) -> bool:
     graph = gm.graph
     proj = _residual_addmm(add)
     if proj is not None:
-        return _rewrite_output_with(graph, add, add.args[0], add, proj, report)
+        return _rewrite_output_with(graph, add, add.args[0], add, proj, report, seen)
     if not _is(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
         return False
     for x, p in (add.args, add.args[::-1]):
@@ -912,13 +941,15 @@ def _rewrite_output_at(gm: GraphModule, add: Node, report: RewriteReport) -> boo
             proj = None
         if proj is None or not isinstance(proj.inp, Node):
             continue
-        if _rewrite_output_with(graph, add, x, p, proj, report):
+        if _rewrite_output_with(graph, add, x, p, proj, report, seen):
             return True
     return False
 
 
-def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
+def _rewrite_output_with(graph, add, x, p, proj, report, seen=None) -> bool:
     where = _name(add)
+    if seen is not None:
+        seen.add(add)
     y = proj.inp
     wrappers = []
     dropout = None  # (getitem node of native_dropout, its input, p)
@@ -955,6 +986,8 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
                 raise Decline(f"{where}: concat is not [u, attn, u*Norm(attn)] along the last dim")
             concat, y = y, parts[2]
         mul = y
+        if seen is not None:
+            seen.add(mul)
         if not _is(mul, aten.mul.Tensor) or len(mul.args) != 2 or not all(isinstance(a, Node) for a in mul.args):
             m = _match_norm(mul) if isinstance(mul, Node) else None
             if m is not None:
@@ -1070,8 +1103,32 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
 def rewrite_output(gm: GraphModule, report: RewriteReport) -> None:
     """x + projection(u * Norm(attn) [concat u, attn]) (optional eval dropout) => hstu.stu_output."""
     gm.graph.eliminate_dead_code()
-    _rewrite_each(gm, report, "output", list(gm.graph.nodes), _rewrite_output_at,
+    seen: set = set()
+    _rewrite_each(gm, report, "output", list(gm.graph.nodes), lambda g, n, r: _rewrite_output_at(g, n, r, seen),
                   lambda n: _is(n, aten.add.Tensor, aten.addmm.default))
+    _report_unused_products(gm, report, seen)
+
+
+def _reaches(n: Node, targets: set, depth: int = 6) -> bool:
+    if n in targets:
+        return True
+    return depth > 0 and any(_reaches(u, targets, depth - 1) for u in n.users)
+
+
+def _report_unused_products(gm: GraphModule, report: RewriteReport, seen: set) -> None:
+    """``explain`` is never silent about ``u * Norm(attn)``: a product not examined as the
+    projection input of a residual add (nor feeding one already reported) is a near miss."""
+    for n in gm.graph.nodes:
+        if n in seen or not n.users or not _is(n, aten.mul.Tensor) or len(n.args) != 2 \
+                or not all(isinstance(a, Node) for a in n.args):
+            continue
+        for a, b in (n.args, n.args[::-1]):
+            norm = _quiet(_match_norm, b)
+            if norm is None or not _shape_is(_tval(a), *_tval(norm.src).shape) or _reaches(n, seen):
+                continue
+            report.near_misses.append(("output", f"{_name(n)}: {a.name} * {norm.spelling}({norm.src.name}) does not "
+                                                 "feed a projection with a residual add"))
+            break
 
 
 def _repeat_params(graph: Graph, t: Optional[Node], r: int) -> Optional[Node]:

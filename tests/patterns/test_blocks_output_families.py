@@ -130,3 +130,26 @@ if __name__ == "__main__":
     from torch.testing._internal.common_utils import run_tests
 
     run_tests()
+
+
+class TestNeverSilent(TestCase):
+    """Every LayerNorm feeding a projection and every ``u * Norm(attn)`` that is not rewritten is
+    reported (explain is never silent about a candidate it examined)."""
+
+    def test_layer_norm_projection_not_split(self):
+        lin = nn.Linear(E, 3 * E)
+
+        def f(x):  # LN -> projection -> split in 3: not a preprocess block
+            a, b, c = lin(F.layer_norm(x, (E,))).chunk(3, dim=-1)
+            return a * b + c
+
+        x = _inputs()[2]
+        assert_near_miss(f, x, kind="preprocess", contains="is not split into four chunks")
+
+    def test_product_without_projection(self):
+        ln = nn.LayerNorm(C)
+
+        def f(attn, u, x):  # u * Norm(attn), summed instead of projected
+            return (u * ln(attn)).sum(-1, keepdim=True) + x
+
+        assert_near_miss(f, *_inputs(), kind="output", contains="does not feed a projection with a residual")
