@@ -922,8 +922,42 @@ def _residual_addmm(add: Node) -> Optional[ProjMatch]:
     return ProjMatch("addmm(x, y, W.t())" if lin else "addmm(x, y, W)", y, w, lin, None, [add])
 
 
+def _unsqueezed0(n) -> Optional[Node]:
+    """``t`` if ``n`` is ``t.unsqueeze(0)`` of a 2-D ``t``."""
+    if _is(n, aten.unsqueeze.default) and n.args[1] == 0 and _tval(n.args[0]) is not None \
+            and _tval(n.args[0]).dim() == 2:
+        return n.args[0]
+    return None
+
+
+def _residual_baddbmm(root: Node) -> Optional[tuple]:
+    """``torch.baddbmm(x[None], y[None], W[None]).squeeze(0)``: the batched spelling of
+    ``addmm(x, y, W)`` with one batch. Returns (residual, ProjMatch)."""
+    if not _is(root, aten.squeeze.dim) or root.args[1] != 0 or not _is(root.args[0], aten.baddbmm.default):
+        return None
+    bmm = root.args[0]
+    parts = [_unsqueezed0(a) for a in bmm.args[:3]]
+    if len(bmm.args) != 3 or None in parts:
+        return None
+    x, y, w2 = parts
+    if bmm.kwargs.get("beta", 1) != 1 or bmm.kwargs.get("alpha", 1) != 1:
+        if _norm_nearby(y):
+            raise Decline(f"{_name(bmm)}: residual baddbmm with beta/alpha != 1")
+        return None
+    xv, yv, ov = _tval(x), _tval(y), _tval(root)
+    if ov is None or not _shape_is(xv, *ov.shape) or len(bmm.users) != 1:
+        return None
+    w, lin = _weight_of(w2)
+    if not (xv.dtype == yv.dtype == _tval(w).dtype):
+        return None
+    return x, ProjMatch("baddbmm(x, y, W.t())" if lin else "baddbmm(x, y, W)", y, w, lin, None, [root, bmm])
+
+
 def _rewrite_output_at(gm: GraphModule, add: Node, report: RewriteReport, seen=None) -> bool:
     graph = gm.graph
+    batched = _residual_baddbmm(add)
+    if batched is not None:
+        return _rewrite_output_with(graph, add, batched[0], add, batched[1], report, seen)
     proj = _residual_addmm(add)
     if proj is not None:
         return _rewrite_output_with(graph, add, add.args[0], add, proj, report, seen)
@@ -1105,7 +1139,7 @@ def rewrite_output(gm: GraphModule, report: RewriteReport) -> None:
     gm.graph.eliminate_dead_code()
     seen: set = set()
     _rewrite_each(gm, report, "output", list(gm.graph.nodes), lambda g, n, r: _rewrite_output_at(g, n, r, seen),
-                  lambda n: _is(n, aten.add.Tensor, aten.addmm.default))
+                  lambda n: _is(n, aten.add.Tensor, aten.addmm.default, aten.squeeze.dim))
     _report_unused_products(gm, report, seen)
 
 

@@ -109,15 +109,16 @@ def output_block(attn, u, x, nw, nb, W, eps, p, training, concat, group_norm, H,
 
 class PublicStyleLayer(nn.Module):
     """One STU layer. ``style``: ``"gr"`` (per-row ``attn_scale`` allowed, concat_u option) or
-    ``"tzrec"`` (``silu / scaling_seqlen``, concat of u and attn always on, like tzrec's STU)."""
+    ``"tzrec"`` (``silu / scaling_seqlen``, concat of u and attn always on, like tzrec's STU).
+    ``late_silu``: ``silu(u)`` computed after the attention instead of right after the split."""
 
     def __init__(self, E, H, Dq, Dv, style="gr", concat=True, group_norm=False, dropout=0.0,
-                 max_attn_len=0, contextual=0, target_aware=True, eps=1e-6, masked_select=False):
+                 max_attn_len=0, contextual=0, target_aware=True, eps=1e-6, masked_select=False, late_silu=False):
         super().__init__()
         self.E, self.H, self.Dq, self.Dv = E, H, Dq, Dv
         self.style, self.concat, self.group_norm, self.dropout = style, concat, group_norm, dropout
         self.max_attn_len, self.contextual, self.target_aware, self.eps = max_attn_len, contextual, target_aware, eps
-        self.masked_select = masked_select
+        self.masked_select, self.late_silu = masked_select, late_silu
         self.alpha = 1.0 / Dq ** 0.5
         self.uvqk_w = nn.Parameter(torch.randn(E, 2 * H * (Dv + Dq)) * 0.3)
         self.uvqk_b = nn.Parameter(torch.randn(2 * H * (Dv + Dq)) * 0.1)
@@ -133,13 +134,16 @@ class PublicStyleLayer(nn.Module):
         normed = _fp32_layer_norm(x, self.in_w.to(dt), self.in_b.to(dt), self.eps)
         uvqk = torch.addmm(self.uvqk_b.to(dt), normed, self.uvqk_w.to(dt))
         u, v, q, k = torch.split(uvqk, [H * Dv, H * Dv, H * Dq, H * Dq], dim=1)
-        u = F.silu(u)
+        if not self.late_silu:  # else silu(u) is first computed in the output block
+            u = F.silu(u)
         q, k, v = q.view(-1, H, Dq), k.view(-1, H, Dq), v.view(-1, H, Dv)
         attn = silu_attention(N, self.alpha, q, k, v, offsets,
                               num_targets=num_targets if self.target_aware else None,
                               attn_scale=attn_scale if self.style == "gr" else None,
                               max_attn_len=self.max_attn_len, contextual=self.contextual,
                               masked_select=self.masked_select).view(-1, H * Dv)
+        if self.late_silu:
+            u = F.silu(u)
         return output_block(attn, u, x, self.out_nw.to(dt), self.out_nb.to(dt), self.out_w.to(dt), self.eps,
                             self.dropout, self.training, self.concat, self.group_norm, H, Dv)
 

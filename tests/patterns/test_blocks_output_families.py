@@ -1,6 +1,6 @@
 """Output-block spelling families met in public code, each with its near-miss twin:
 the residual as ``addmm``'s input (``addmm(x, y, W)``, bias folded into the residual or added
-after), per-head group norm on a ``[L, H, Dv]`` view with ``[H]`` parameters, ``silu(u)`` computed
+after) or ``baddbmm``'s (one batch), per-head group norm on a ``[L, H, Dv]`` view with ``[H]`` parameters, ``silu(u)`` computed
 inside the output block, and ``y`` computed in fp32 from upcast ``attn``/``u`` and cast down once
 before the projection (bf16)."""
 from __future__ import annotations
@@ -45,6 +45,10 @@ class Family(nn.Module):
             return torch.addmm(x + self.b, self._ln(attn) * u, self.w)
         if k == "bias_after_addmm":
             return torch.addmm(x, u * self._ln(attn), self.w) + self.b
+        if k in ("baddbmm_residual", "baddbmm_scaled"):
+            y = u * self._ln(attn)
+            alpha = 2.0 if k == "baddbmm_scaled" else 1.0
+            return torch.baddbmm(x.unsqueeze(0), y.unsqueeze(0), self.w.unsqueeze(0), alpha=alpha).squeeze(0)
         if k == "late_silu":  # silu(u) first computed here, not after the split
             return torch.addmm(x, F.silu(u) * self._ln(attn), self.w)
         if k in ("gn_view", "gn_view_concat"):
@@ -89,6 +93,10 @@ class TestOutputFamilies(TestCase):
                 self.assertTrue(self._spelling(kind).endswith("-> addmm(x, y, W)"))
                 check_compiled(_family(kind), *_inputs(), train=True, counts={"output": 1})
 
+    def test_residual_as_baddbmm_input(self):
+        self.assertTrue(self._spelling("baddbmm_residual").endswith("-> baddbmm(x, y, W)"))
+        check_compiled(_family("baddbmm_residual"), *_inputs(), train=True, counts={"output": 1})
+
     def test_silu_of_u_inside_the_output_block(self):
         check_compiled(_family("late_silu"), *_inputs(), train=True, counts={"output": 1})
 
@@ -116,6 +124,9 @@ class TestOutputFamilies(TestCase):
 class TestOutputFamilyNearMisses(TestCase):
     def test_addmm_with_beta(self):
         assert_near_miss(_family("addmm_scaled"), *_inputs(), kind="output", contains="beta/alpha")
+
+    def test_baddbmm_with_alpha(self):
+        assert_near_miss(_family("baddbmm_scaled"), *_inputs(), kind="output", contains="beta/alpha")
 
     def test_group_norm_on_a_transposed_view(self):
         assert_near_miss(_family("gn_transposed"), *_inputs(), kind="output",

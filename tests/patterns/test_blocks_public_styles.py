@@ -63,7 +63,8 @@ CONFIGS = {
     "gr_targets_rowscale_window_context": (dict(style="gr", max_attn_len=3, contextual=2), True, True),
     "gr_groupnorm_no_concat_no_targets_rowscale": (dict(style="gr", group_norm=True, concat=False,
                                                         target_aware=False), False, True),
-    "tzrec_targets_groupnorm_window": (dict(style="tzrec", group_norm=True, max_attn_len=4), True, False),
+    "tzrec_targets_groupnorm_window_late_silu": (dict(style="tzrec", group_norm=True, max_attn_len=4,
+                                                      late_silu=True), True, False),
 }
 
 
