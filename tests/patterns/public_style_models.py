@@ -31,8 +31,10 @@ def _fp32_layer_norm(x, w, b, eps):
     return F.layer_norm(x.to(torch.float32), [x.shape[-1]], w.to(torch.float32), b.to(torch.float32), eps).to(dt)
 
 
-def _valid_mask(N, lengths, num_targets, max_attn_len, contextual):
-    """``[B|1, N, N]`` bool: causal HSTU mask from clamped position ids (targets, window, context)."""
+def _valid_mask(N, lengths, num_targets, max_attn_len, contextual, targets_see_each_other=False):
+    """``[B|1, N, N]`` bool: causal HSTU mask from clamped position ids (targets, window, context).
+    ``targets_see_each_other``: ``dist >= 0`` instead of ``eye | dist > 0`` (a near miss: with
+    targets, rows sharing the clamped id attend to each other)."""
     pos = torch.arange(N, device=lengths.device).view(1, N)
     last = lengths.view(-1, 1, 1)
     if contextual > 0:
@@ -49,7 +51,7 @@ def _valid_mask(N, lengths, num_targets, max_attn_len, contextual):
         rows, cols = rows.view(1, N, N), cols.view(1, N, N)
     dist = rows - cols
     ok = torch.eye(N, dtype=torch.bool, device=lengths.device).view(1, N, N)
-    ok = ok | (dist > 0)
+    ok = (dist >= 0) if targets_see_each_other else ok | (dist > 0)
     if max_attn_len > 0:
         ok = ok & (dist <= max_attn_len)
     if contextual > 0:
@@ -62,7 +64,8 @@ def _pad(t, offsets, N):
 
 
 def silu_attention(N, alpha, q, k, v, offsets, num_targets=None, attn_scale=None, max_attn_len=0,
-                   contextual=0, dropout_p=0.0, training=False, divide_by=None, masked_select=False):
+                   contextual=0, dropout_p=0.0, training=False, divide_by=None, masked_select=False,
+                   targets_see_each_other=False):
     """``q, k: [L, H, Dq]``, ``v: [L, H, Dv]`` -> ``[L, H, Dv]``. ``attn_scale``: scalar or ``[L]``;
     without it the scores are divided by ``divide_by`` (default ``N``). ``masked_select``: unpad
     with ``torch.nested.masked_select`` (a graph break in every layer) instead of fbgemm."""
@@ -78,7 +81,7 @@ def silu_attention(N, alpha, q, k, v, offsets, num_targets=None, attn_scale=None
         s = F.silu(s) * attn_scale
     else:
         s = F.silu(s) / (N if divide_by is None else divide_by)
-    mask = _valid_mask(N, offsets[1:] - offsets[:-1], num_targets, max_attn_len, contextual)
+    mask = _valid_mask(N, offsets[1:] - offsets[:-1], num_targets, max_attn_len, contextual, targets_see_each_other)
     s = s * mask.unsqueeze(1)
     if dropout_p > 0.0:
         s = F.dropout(s, p=dropout_p, training=training)
@@ -113,12 +116,14 @@ class PublicStyleLayer(nn.Module):
     ``late_silu``: ``silu(u)`` computed after the attention instead of right after the split."""
 
     def __init__(self, E, H, Dq, Dv, style="gr", concat=True, group_norm=False, dropout=0.0,
-                 max_attn_len=0, contextual=0, target_aware=True, eps=1e-6, masked_select=False, late_silu=False):
+                 max_attn_len=0, contextual=0, target_aware=True, eps=1e-6, masked_select=False, late_silu=False,
+                 targets_see_each_other=False):
         super().__init__()
         self.E, self.H, self.Dq, self.Dv = E, H, Dq, Dv
         self.style, self.concat, self.group_norm, self.dropout = style, concat, group_norm, dropout
         self.max_attn_len, self.contextual, self.target_aware, self.eps = max_attn_len, contextual, target_aware, eps
         self.masked_select, self.late_silu = masked_select, late_silu
+        self.targets_see_each_other = targets_see_each_other
         self.alpha = 1.0 / Dq ** 0.5
         self.uvqk_w = nn.Parameter(torch.randn(E, 2 * H * (Dv + Dq)) * 0.3)
         self.uvqk_b = nn.Parameter(torch.randn(2 * H * (Dv + Dq)) * 0.1)
@@ -141,7 +146,8 @@ class PublicStyleLayer(nn.Module):
                               num_targets=num_targets if self.target_aware else None,
                               attn_scale=attn_scale if self.style == "gr" else None,
                               max_attn_len=self.max_attn_len, contextual=self.contextual,
-                              masked_select=self.masked_select).view(-1, H * Dv)
+                              masked_select=self.masked_select,
+                              targets_see_each_other=self.targets_see_each_other).view(-1, H * Dv)
         if self.late_silu:
             u = F.silu(u)
         return output_block(attn, u, x, self.out_nw.to(dt), self.out_nb.to(dt), self.out_w.to(dt), self.eps,
