@@ -534,11 +534,13 @@ def _no_lost_grad(src):
 
 
 def probe_scale(scale_leaf, binding, gen, env):
-    """A fresh positive ``attn_scale`` probe bound to ``scale_leaf`` in ``env`` (None if no scale)."""
+    """A fresh positive ``attn_scale`` probe bound to ``scale_leaf`` in ``env`` (None if no scale).
+    Exact in float32 like ``_rand``: a scale padded by an op without float64 kernels (fbgemm's
+    ``jagged_to_padded_dense``, run in float32 by the evaluator) must come back unchanged."""
     if scale_leaf is None:
         return None
     shape = [concrete(s, binding) for s in _val(scale_leaf).shape]
-    env[scale_leaf] = torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5
+    env[scale_leaf] = (torch.rand(shape, generator=gen, dtype=torch.float32) + 0.5).to(torch.float64)
     return env[scale_leaf]
 
 
@@ -1651,6 +1653,7 @@ def describe(plan: Plan) -> str:
 @register("attention")
 def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
     """Replace every proven jagged silu attention in ``gm`` by ``hstu.attention`` (in place)."""
+    buffers.make_explicit(gm)  # new_zeros / zeros_like / empty().zero_() ... -> zeros(dtype=...)
     consumed = set()
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not BMM or node in consumed or not node.users:
@@ -1699,4 +1702,4 @@ def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
         report.details.append(("attention", what))
 
 
-from . import attn_delta  # noqa: E402  (cached attention; imports this module's helpers)
+from . import attn_delta, buffers  # noqa: E402  (cached attention; imports this module's helpers)

@@ -215,6 +215,7 @@ class NormMatch:
     groups: int          # 0 = layer norm
     first: Node          # earliest matched node (for the mutation check)
     out: Node            # the normalised tensor as consumed (after any downcast)
+    repeat: int = 1      # parameters hold one value per ``repeat`` consecutive channels of src
 
 
 def _norm_layer_norm(n: Node) -> Optional[tuple]:
@@ -227,21 +228,47 @@ def _norm_layer_norm(n: Node) -> Optional[tuple]:
     if iv is None or iv.dim() != 2 or len(shape) != 1 or not _eq(shape[0], iv.shape[-1]):
         raise Decline(f"{_name(core)}: layer norm not over the last dim of a 2-D tensor "
                       f"(shape {list(shape)}, input {tuple(iv.shape) if iv is not None else '?'})")
-    return core, inp, w, b, float(eps), 0
+    return core, inp, w, b, float(eps), 0, 1, core
+
+
+def _viewed_2d(n) -> Optional[Node]:
+    """``src`` if ``n`` is a view/reshape of the 2-D tensor ``src`` keeping its rows (dim 0)."""
+    if not _is(n, *_VIEW_TARGETS):
+        return None
+    src, sv, nv = n.args[0], _tval(n.args[0]), _tval(n)
+    if sv is None or nv is None or sv.dim() != 2 or nv.dim() < 1 or not _eq(sv.shape[0], nv.shape[0]):
+        return None
+    return src
 
 
 def _norm_group_norm(n: Node) -> Optional[tuple]:
-    """``F.group_norm(a, G, w, b, eps)`` on ``a: [L, C]`` (G groups of C/G contiguous channels)."""
-    core = _getitem_of(n, 0)
+    """``F.group_norm(a, G, w, b, eps)`` on ``a: [L, C]`` (G groups of C/G contiguous channels), or
+    on a view ``a.view(L, C, S)`` of a 2-D ``a: [L, C*S]`` viewed back to ``[L, C*S]`` (generative-
+    recommenders' per-head norm ``group_norm(a.view(-1, H, Dv), H, w[H], b[H])``): the same groups
+    of contiguous elements of each row, with every parameter repeated over its ``S`` elements."""
+    back = None  # the group norm output, when ``n`` views it back to 2-D
+    if _is(n, *_VIEW_TARGETS) and _tval(n) is not None and _tval(n).dim() == 2 and _tval(n.args[0]) is not None:
+        back = n.args[0]
+    core = _getitem_of(back if back is not None else n, 0)
     if not _is(core, aten.native_group_norm.default):
         return None
     inp, w, b, N, C, HxW, G, eps = core.args
     iv = _tval(inp)
     G, C_, HxW_ = _static(_val(G)), _static(_val(C)), _static(_val(HxW))
+    first, src = core, inp
+    if back is not None:  # [L, C*S] -> [L, C, S] -> group norm -> [L, C*S]
+        src = _viewed_2d(inp)
+        sv = _tval(src)
+        if (src is None or iv.dim() != 3 or HxW_ is None or C_ is None or not _eq(iv.shape[1], C_)
+                or not _eq(iv.shape[2], HxW_) or not _eq(sv.shape[1], C_ * HxW_) or not _eq(_val(N), sv.shape[0])
+                or not _shape_is(_tval(n), *sv.shape) or not G or C_ % G):
+            raise Decline(f"{_name(core)}: group norm on a view is not [L, C, S] of a 2-D [L, C*S] tensor "
+                          "viewed back to [L, C*S]")
+        return core, src, w, b, float(eps), G, HxW_, inp
     if (iv is None or iv.dim() != 2 or HxW_ != 1 or C_ is None or not _eq(C_, iv.shape[1])
             or not _eq(_val(N), iv.shape[0]) or not G or C_ % G):
         raise Decline(f"{_name(core)}: group norm is not over [L, C] channels of a 2-D tensor")
-    return core, inp, w, b, float(eps), G
+    return core, inp, w, b, float(eps), G, 1, first
 
 
 NORM_SPELLINGS: dict[str, Callable] = {
@@ -250,12 +277,13 @@ NORM_SPELLINGS: dict[str, Callable] = {
 }
 
 
-def _match_norm(n: Node) -> Optional[NormMatch]:
+def _match_norm(n: Node, fp32_region: bool = False) -> Optional[NormMatch]:
     """A normalisation of a 2-D tensor with fp32-or-native statistics, output in the input dtype.
 
     Accepted casts: ``Norm(a.float(), w.float(), b.float()).to(a.dtype)`` (the op's own
     semantics), or no casts at all. An upcast without the downcast is declined (the result
-    would stay fp32 while the op returns the input dtype)."""
+    would stay fp32 while the op returns the input dtype), unless ``fp32_region``: the caller
+    proved that everything computed from the fp32 result is cast down once later."""
     out = n
     downcast = _cast_of(n)
     core_out = downcast if downcast is not None else n
@@ -263,25 +291,25 @@ def _match_norm(n: Node) -> Optional[NormMatch]:
         m = fn(core_out)
         if m is None:
             continue
-        core, inp, w, b, eps, groups = m
+        core, inp, w, b, eps, groups, repeat, first = m
         src = _cast_of(inp)
         upcast = src is not None
         if not upcast:
             src = inp
         if upcast and _tval(inp).dtype != torch.float32:
             raise Decline(f"{_name(core)}: input cast to {_tval(inp).dtype}, not float32")
-        if _tval(out).dtype != _tval(src).dtype:
+        if _tval(out).dtype != _tval(src).dtype and not (fp32_region and upcast and downcast is None):
             raise Decline(f"{_name(core)}: normalised output is {_tval(out).dtype} but its input is "
                           f"{_tval(src).dtype} (missing or different downcast)")
         w, b = (_strip_fp32_cast(p) if p is not None else None for p in (w, b))
         for p in (w, b):
             if p is not None:
                 pv = _tval(p)
-                C = _tval(src).shape[-1]
+                C = _tval(src).shape[-1] // repeat
                 if pv is None or not pv.dtype.is_floating_point or not _shape_is(pv, C):
                     raise Decline(f"{_name(core)}: norm parameter {_name(p)} is not a [{C}] float tensor")
-        name = spelling + ("(fp32)" if upcast else "")
-        return NormMatch(name, src, w, b, eps, groups, inp if upcast else core, out)
+        name = spelling + (f"(view, params x{repeat})" if repeat > 1 else "") + ("(fp32)" if upcast else "")
+        return NormMatch(name, src, w, b, eps, groups, inp if upcast else first, out, repeat)
     return None
 
 
@@ -659,8 +687,9 @@ def _probe(inputs: list, row_inputs: set, outputs: list, op_fn: Callable, rows,
 # ---------------------------------------------------------------------------------------------
 # preprocess
 # ---------------------------------------------------------------------------------------------
-def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport) -> bool:
-    """Try ``node`` as the uvqk tensor that is split 4 ways. Returns True when rewritten."""
+def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport, seen=None) -> bool:
+    """Try ``node`` as the uvqk tensor that is split 4 ways. Returns True when rewritten.
+    ``seen`` collects the projections examined (for ``_report_unexamined``)."""
     graph = gm.graph
     split = _match_split(node)
     if split is None:
@@ -672,6 +701,8 @@ def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport) -
     proj = _match_projection(proj_node)
     if proj is None:
         return False  # a 4-way split of something that is not a projection: not a candidate
+    if seen is not None:
+        seen.add(proj_node)
     where = f"{_name(split.first)}"
     if silu_all_pre is not None:
         acts = _activation_users(proj_node)
@@ -784,8 +815,34 @@ def _preprocess_candidates(graph: Graph) -> list:
 def rewrite_preprocess(gm: GraphModule, report: RewriteReport) -> None:
     """LayerNorm -> projection -> split(u, v, q, k) -> silu(u)  =>  hstu.stu_preprocess."""
     gm.graph.eliminate_dead_code()
-    _rewrite_each(gm, report, "preprocess", _preprocess_candidates(gm.graph), _rewrite_preprocess_at,
-                  lambda n: bool(n.users))
+    seen: set = set()
+    _rewrite_each(gm, report, "preprocess", _preprocess_candidates(gm.graph),
+                  lambda g, n, r: _rewrite_preprocess_at(g, n, r, seen), lambda n: bool(n.users))
+    _report_unsplit_projections(gm, report, seen)
+
+
+def _quiet(fn, *args):
+    """``fn(*args)``, or None where it declines (used to look for candidates, not to prove them)."""
+    try:
+        return fn(*args)
+    except Decline:
+        return None
+
+
+def _report_unsplit_projections(gm: GraphModule, report: RewriteReport, seen: set) -> None:
+    """``explain`` is never silent about a LayerNorm feeding a projection: one that is not a
+    preprocess candidate (its output is not split four ways) is reported as a near miss."""
+    done = set()
+    for n in gm.graph.nodes:
+        if n in seen or not n.users:
+            continue
+        proj = _quiet(_match_projection, n)
+        norm = _quiet(_match_norm, proj.inp) if proj is not None and isinstance(proj.inp, Node) else None
+        if norm is None or norm.groups or norm.out in done:
+            continue
+        done.add(norm.out)
+        report.near_misses.append(("preprocess", f"{_name(n)}: projection of LayerNorm({norm.src.name}) is not "
+                                                 "split into four chunks u, v, q, k along the last dim"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -832,7 +889,7 @@ _NORM_LIKE = tuple(getattr(aten, name).default for name in
                    ("native_layer_norm", "native_group_norm", "rsqrt", "_fused_rms_norm") if hasattr(aten, name))
 
 
-def _norm_nearby(n: Node, depth: int = 4) -> bool:
+def _norm_nearby(n: Node, depth: int = 6) -> bool:
     """Is there a normalisation within ``depth`` producers of ``n`` (to tell candidates apart)?"""
     if not isinstance(n, Node) or depth < 0:
         return False
@@ -841,8 +898,69 @@ def _norm_nearby(n: Node, depth: int = 4) -> bool:
     return any(_norm_nearby(a, depth - 1) for a in n.all_input_nodes)
 
 
-def _rewrite_output_at(gm: GraphModule, add: Node, report: RewriteReport) -> bool:
+def _residual_addmm(add: Node) -> Optional[ProjMatch]:
+    """``torch.addmm(x, y, W)`` whose input ``x`` is a full ``[L, E]`` residual (not a bias): the
+    projection and the residual add in one node (generative-recommenders / TorchEasyRec)."""
+    if not _is(add, aten.addmm.default) or len(add.args) != 3:
+        return None
+    x, y, w2 = add.args
+    xv, yv, ov = _tval(x), _tval(y), _tval(add)
+    if xv is None or yv is None or ov is None or xv.dim() != 2 or not _shape_is(xv, *ov.shape):
+        return None  # a bias addmm: matched as the projection of a residual add
+    if add.kwargs.get("beta", 1) != 1 or add.kwargs.get("alpha", 1) != 1:
+        if _norm_nearby(y):
+            raise Decline(f"{_name(add)}: residual addmm with beta/alpha != 1")
+        return None
+    w, lin = _weight_of(w2)
+    wv = _tval(w)
+    if wv is None or wv.dim() != 2 or yv.dim() != 2:
+        return None
+    if not (xv.dtype == yv.dtype == wv.dtype):
+        if _norm_nearby(y):
+            raise Decline(f"{_name(add)}: residual addmm operands have different dtypes")
+        return None
+    return ProjMatch("addmm(x, y, W.t())" if lin else "addmm(x, y, W)", y, w, lin, None, [add])
+
+
+def _unsqueezed0(n) -> Optional[Node]:
+    """``t`` if ``n`` is ``t.unsqueeze(0)`` of a 2-D ``t``."""
+    if _is(n, aten.unsqueeze.default) and n.args[1] == 0 and _tval(n.args[0]) is not None \
+            and _tval(n.args[0]).dim() == 2:
+        return n.args[0]
+    return None
+
+
+def _residual_baddbmm(root: Node) -> Optional[tuple]:
+    """``torch.baddbmm(x[None], y[None], W[None]).squeeze(0)``: the batched spelling of
+    ``addmm(x, y, W)`` with one batch. Returns (residual, ProjMatch)."""
+    if not _is(root, aten.squeeze.dim) or root.args[1] != 0 or not _is(root.args[0], aten.baddbmm.default):
+        return None
+    bmm = root.args[0]
+    parts = [_unsqueezed0(a) for a in bmm.args[:3]]
+    if len(bmm.args) != 3 or None in parts:
+        return None
+    x, y, w2 = parts
+    if bmm.kwargs.get("beta", 1) != 1 or bmm.kwargs.get("alpha", 1) != 1:
+        if _norm_nearby(y):
+            raise Decline(f"{_name(bmm)}: residual baddbmm with beta/alpha != 1")
+        return None
+    xv, yv, ov = _tval(x), _tval(y), _tval(root)
+    if ov is None or not _shape_is(xv, *ov.shape) or len(bmm.users) != 1:
+        return None
+    w, lin = _weight_of(w2)
+    if not (xv.dtype == yv.dtype == _tval(w).dtype):
+        return None
+    return x, ProjMatch("baddbmm(x, y, W.t())" if lin else "baddbmm(x, y, W)", y, w, lin, None, [root, bmm])
+
+
+def _rewrite_output_at(gm: GraphModule, add: Node, report: RewriteReport, seen=None) -> bool:
     graph = gm.graph
+    batched = _residual_baddbmm(add)
+    if batched is not None:
+        return _rewrite_output_with(graph, add, batched[0], add, batched[1], report, seen)
+    proj = _residual_addmm(add)
+    if proj is not None:
+        return _rewrite_output_with(graph, add, add.args[0], add, proj, report, seen)
     if not _is(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
         return False
     for x, p in (add.args, add.args[::-1]):
@@ -857,19 +975,31 @@ def _rewrite_output_at(gm: GraphModule, add: Node, report: RewriteReport) -> boo
             proj = None
         if proj is None or not isinstance(proj.inp, Node):
             continue
-        if _rewrite_output_with(graph, add, x, p, proj, report):
+        if _rewrite_output_with(graph, add, x, p, proj, report, seen):
             return True
     return False
 
 
-def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
+def _rewrite_output_with(graph, add, x, p, proj, report, seen=None) -> bool:
     where = _name(add)
+    if seen is not None:
+        seen.add(add)
     y = proj.inp
     wrappers = []
     dropout = None  # (getitem node of native_dropout, its input, p)
+    # y computed in fp32 from upcast attn and u and cast down once before the projection
+    # (generative-recommenders / TorchEasyRec in bf16): the op rounds Norm(attn) to the input dtype
+    # before the multiply, one rounding more; equal up to that rounding (probe tolerance by dtype)
+    fp32 = None
     candidate = _norm_nearby(y)
     try:
         while True:
+            src = _cast_of(y)
+            if (fp32 is None and src is not None and _tval(src).dtype == torch.float32
+                    and _tval(y).dtype != torch.float32):
+                fp32, y = y, src
+                wrappers.append(f"to({_tval(fp32).dtype})")
+                continue
             for name, fn in Y_WRAPPER_SPELLINGS.items():
                 inner = fn(y)
                 if inner is not None:
@@ -890,6 +1020,8 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
                 raise Decline(f"{where}: concat is not [u, attn, u*Norm(attn)] along the last dim")
             concat, y = y, parts[2]
         mul = y
+        if seen is not None:
+            seen.add(mul)
         if not _is(mul, aten.mul.Tensor) or len(mul.args) != 2 or not all(isinstance(a, Node) for a in mul.args):
             m = _match_norm(mul) if isinstance(mul, Node) else None
             if m is not None:
@@ -901,7 +1033,7 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
         declined = []
         for a, b in (mul.args, mul.args[::-1]):
             try:
-                norm = _match_norm(b)
+                norm = _match_norm(b, fp32_region=fp32 is not None)
             except Decline as e:
                 declined.append(e)
                 continue
@@ -920,8 +1052,16 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
             return False
         raise
     a = norm.src
+    u_used = u  # the multiply's factor (fp32 region: u.float())
+    if fp32 is not None:
+        u = _cast_of(u_used)
+        if u is None or _tval(mul).dtype != torch.float32:
+            raise Decline(f"{where}: y is cast to {_tval(fp32).dtype} before the projection but u is not "
+                          "an upcast of a tensor of that dtype")
     av, uv, xv, pv, wv = _tval(a), _tval(u), _tval(x), _tval(p), _tval(proj.weight)
-    if uv is None or not _shape_is(uv, *av.shape) or uv.dtype != av.dtype or _tval(mul).dtype != av.dtype:
+    mul_dtype = torch.float32 if fp32 is not None else av.dtype
+    if uv is None or not _shape_is(uv, *av.shape) or uv.dtype != av.dtype or _tval(mul).dtype != mul_dtype \
+            or (fp32 is not None and _tval(fp32).dtype != av.dtype):
         raise Decline(f"{where}: u {tuple(uv.shape) if uv is not None else '?'} does not match attn "
                       f"{tuple(av.shape)} in shape and dtype (no broadcasting)")
     if xv is None or not _shape_is(xv, *pv.shape) or xv.dtype != pv.dtype:
@@ -930,7 +1070,8 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
         raise Decline(f"{where}: attn and residual have different row counts")
     if concat is not None:
         parts = concat.args[0]
-        if not (_same_tensor(parts[0], u) and _same_tensor(parts[1], a)):
+        a_used = _cast_of(parts[1]) if fp32 is not None else parts[1]
+        if not (_same_tensor(parts[0], u_used) and _same_tensor(a_used, a)):
             raise Decline(f"{where}: concat is not [u, attn, u*Norm(attn)] (order or operands differ)")
     C = _static(av.shape[1])
     E = _static(xv.shape[1])
@@ -938,7 +1079,7 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
     w_shape = (E, K) if proj.linear_layout else (K, E)
     if C is None or E is None or not _shape_is(wv, *w_shape):
         raise Decline(f"{where}: projection weight {tuple(wv.shape)} is not {w_shape}")
-    if len(p.users) != 1:
+    if p is not add and len(p.users) != 1:
         raise Decline(f"{where}: projection output has other users")
     order = _order(graph)
     first = min([norm.first, mul] + ([concat] if concat is not None else []), key=order.__getitem__)
@@ -946,8 +1087,10 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
 
     w_lin_fn = (lambda w: w) if proj.linear_layout else (lambda w: w.t())
     is_concat = concat is not None
+    r = norm.repeat
 
     def op_fn(a_, u_, x_, nw, nb, w, b):
+        nw, nb = (t.repeat_interleave(r) if t is not None and r > 1 else t for t in (nw, nb))
         return [torch.ops.hstu.stu_output(a_, u_, x_, nw, nb, norm.eps, norm.groups, w_lin_fn(w), b, is_concat)]
 
     probe_inputs = [a, u, x, norm.weight, norm.bias, proj.weight, proj.bias]
@@ -972,18 +1115,19 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
                 with av.fake_mode:
                     seed.meta["val"] = torch.empty((), dtype=torch.int64, device=av.device)
             extra = [dropout[2], seed]
-        args = [a, u, x, norm.weight, norm.bias, norm.eps, norm.groups, w, proj.bias, is_concat, *extra]
+        nw, nb = (_repeat_params(graph, t, r) for t in (norm.weight, norm.bias))
+        args = [a, u, x, nw, nb, norm.eps, norm.groups, w, proj.bias, is_concat, *extra]
         if config.block_backward == "save":  # same output; the backward reads y and the statistics
             op = _getitem(graph, _call(graph, torch.ops.hstu.stu_output_save.default, args), 0)
         else:
             op = _call(graph, torch.ops.hstu.stu_output.default, args)
     add.replace_all_uses_with(op)
-    spelling = f"u*{norm.spelling}(attn)" if mul.args[0] is u else f"{norm.spelling}(attn)*u"
+    spelling = f"u*{norm.spelling}(attn)" if mul.args[0] is u_used else f"{norm.spelling}(attn)*u"
     if is_concat:
         spelling = f"cat[u, attn, {spelling}]"
     for wname in wrappers:
         spelling += f" -> {wname}" if wname != "dropout(train)" else f" -> dropout(train, p={dropout[2]})"
-    spelling += f" -> {proj.spelling} -> + x"
+    spelling += f" -> {proj.spelling}" + ("" if p is add else " -> + x")
     report.counts["output"] += 1
     report.details.append(("output", spelling))
     return True
@@ -993,8 +1137,41 @@ def _rewrite_output_with(graph, add, x, p, proj, report) -> bool:
 def rewrite_output(gm: GraphModule, report: RewriteReport) -> None:
     """x + projection(u * Norm(attn) [concat u, attn]) (optional eval dropout) => hstu.stu_output."""
     gm.graph.eliminate_dead_code()
-    _rewrite_each(gm, report, "output", list(gm.graph.nodes), _rewrite_output_at,
-                  lambda n: _is(n, aten.add.Tensor))
+    seen: set = set()
+    _rewrite_each(gm, report, "output", list(gm.graph.nodes), lambda g, n, r: _rewrite_output_at(g, n, r, seen),
+                  lambda n: _is(n, aten.add.Tensor, aten.addmm.default, aten.squeeze.dim))
+    _report_unused_products(gm, report, seen)
+
+
+def _reaches(n: Node, targets: set, depth: int = 6) -> bool:
+    if n in targets:
+        return True
+    return depth > 0 and any(_reaches(u, targets, depth - 1) for u in n.users)
+
+
+def _report_unused_products(gm: GraphModule, report: RewriteReport, seen: set) -> None:
+    """``explain`` is never silent about ``u * Norm(attn)``: a product not examined as the
+    projection input of a residual add (nor feeding one already reported) is a near miss."""
+    for n in gm.graph.nodes:
+        if n in seen or not n.users or not _is(n, aten.mul.Tensor) or len(n.args) != 2 \
+                or not all(isinstance(a, Node) for a in n.args):
+            continue
+        for a, b in (n.args, n.args[::-1]):
+            norm = _quiet(_match_norm, b)
+            if norm is None or not _shape_is(_tval(a), *_tval(norm.src).shape) or _reaches(n, seen):
+                continue
+            report.near_misses.append(("output", f"{_name(n)}: {a.name} * {norm.spelling}({norm.src.name}) does not "
+                                                 "feed a projection with a residual add"))
+            break
+
+
+def _repeat_params(graph: Graph, t: Optional[Node], r: int) -> Optional[Node]:
+    """``t [C]`` -> ``[C*r]`` (each value ``r`` times) as differentiable graph nodes."""
+    if t is None or r == 1:
+        return t
+    C = _tval(t).shape[0]
+    e = _call(graph, aten.expand.default, [_call(graph, aten.unsqueeze.default, [t, 1]), [C, r]])
+    return _call(graph, aten.view.default, [_call(graph, aten.clone.default, [e]), [C * r]])
 
 
 def _rewrite_each(gm, report, kind, candidates, rewrite_at, wanted) -> None:

@@ -379,6 +379,57 @@ def non_causal(q, k, v, offsets, num_targets=None, attn_scale=None):
 
 #: name -> (function, needs num_targets, needs attn_scale ("scalar" / "row" / None), needs fbgemm,
 #:          differentiable, inputs ("qkv" / "lengths" / "uvqk", see the module docstring))
+def zero_buffers_borrowed(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Zero buffers made from *another* tensor: q padded into ``k.new_zeros(...)``, k into
+    ``torch.zeros_like(q_padded)``, v into ``v.new_full(..., 0.0)``; index_copy on flat rows,
+    heads-first ``matmul``, ``tril``, ``/ N``. The buffers read only metadata (made explicit
+    ``zeros`` by ``patterns.buffers`` before the proof)."""
+    L, H, D = q.shape
+    B = offsets.numel() - 1
+    seq, pos = _row_ids(offsets, L)
+    rows = seq * N + pos
+    qp = k.new_zeros((B * N, H * D)).index_copy(0, rows, q.reshape(L, -1))
+    kp = torch.zeros_like(qp).index_copy(0, rows, k.reshape(L, -1))
+    vp = v.new_full((B * N, v.shape[1] * v.shape[2]), 0.0).index_copy(0, rows, v.reshape(L, -1))
+    qp, kp, vp = (t.view(B, N, H, -1).transpose(1, 2) for t in (qp, kp, vp))
+    p = torch.tril(F.silu(ALPHA * (qp @ kp.transpose(-1, -2)))) / N
+    out = (p @ vp).transpose(1, 2)
+    return _unpad_index(out, offsets, L)
+
+
+def zero_buffers_default_dtype(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Zero buffers with the default dtype (no ``dtype=``): ``torch.zeros(B, N, H, D)`` for q and k
+    (index_put), ``torch.empty(B*N, H*Dv).zero_()`` for v (index_copy); einsum, arange mask."""
+    L, H, D = q.shape
+    B = offsets.numel() - 1
+    seq, pos = _row_ids_repeat(offsets, L)
+    qp = torch.zeros(B, N, H, D, device=q.device).index_put((seq, pos), q)
+    kp = torch.zeros(B, N, H, D, device=q.device).index_put((seq, pos), k)
+    vp = torch.empty(B * N, H * v.shape[2], device=q.device).zero_().index_copy(0, seq * N + pos, v.reshape(L, -1))
+    s = torch.einsum("bnhd,bmhd->bhnm", qp, kp)
+    p = F.silu(ALPHA * s) * _causal_mask_arange(offsets)[:, None] / N
+    out = torch.einsum("bhnm,bmhd->bnhd", p, vp.view(B, N, H, -1))
+    return _unpad_index(out, offsets, L)
+
+
+def row_scale_b1n1(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Per-row ``attn_scale [L]`` padded (``empty(...).fill_(0)`` + index_put, default dtype) to
+    ``[B, 1, N, 1]`` and multiplied after silu, before ``P @ V`` (generative-recommenders' layout);
+    mask from ids (targets) applied after the scale."""
+    L = q.shape[0]
+    B = offsets.numel() - 1
+    seq, pos = _row_ids_repeat(offsets, L)
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    scale = torch.empty(B, N, device=q.device).fill_(0.0).index_put((seq, pos), attn_scale)
+    ids, _ = _ids(offsets, num_targets)
+    d = ids[:, :, None] - ids[:, None, :]
+    eye = torch.eye(N, dtype=torch.bool, device=q.device)[None]
+    s = F.silu(torch.einsum("bnhd,bmhd->bhnm", qp, kp) * ALPHA) * scale[:, None, :, None]
+    p = s * (eye | (d > 0))[:, None]
+    out = torch.einsum("bhnm,bmhd->bnhd", p, vp)
+    return _unpad_index(out, offsets, L)
+
+
 SPELLINGS = {
     "reference": (reference_spelling, True, None, False, True, "qkv"),
     "einsum_index_put_tril": (einsum_index_put_tril, False, None, False, True, "qkv"),
@@ -398,6 +449,9 @@ SPELLINGS = {
     "inv_n_after_pv": (inv_n_after_pv, False, "scalar", False, True, "qkv"),
     "nested_masked_select": (nested_masked_select, False, None, False, True, "qkv"),
     "non_causal": (non_causal, False, None, False, True, "qkv"),
+    "zero_buffers_borrowed": (zero_buffers_borrowed, False, None, False, True, "qkv"),
+    "zero_buffers_default_dtype": (zero_buffers_default_dtype, False, None, False, True, "qkv"),
+    "row_scale_b1n1": (row_scale_b1n1, True, "row", False, True, "qkv"),
 }
 
 
@@ -512,6 +566,45 @@ def nested_padded_filled(q, k, v, offsets, num_targets=None, attn_scale=None):
     return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, q.shape[0])
 
 
+def zero_buffer_filled_one(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Twin of ``zero_buffers_default_dtype``: v's buffer is ``torch.empty(...).fill_(1.0)``, so
+    padded value rows are 1, not 0 (a constant buffer, but not a zero pad)."""
+    L, H, D = q.shape
+    B = offsets.numel() - 1
+    seq, pos = _row_ids_repeat(offsets, L)
+    qp, kp = (torch.zeros(B, N, H, D, device=q.device).index_put((seq, pos), t) for t in (q, k))
+    vp = torch.empty(B, N, H, v.shape[2], device=q.device).fill_(1.0).index_put((seq, pos), v)
+    p = F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp)) / N  # no mask: padding keys count
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, vp), offsets, L)
+
+
+def zero_buffer_from_values(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Twin of ``zero_buffers_borrowed``: k's "zero" buffer is ``zeros_like(q_padded) + q_padded``,
+    it reads q's values, so the k operand is q + k, not a pad of k."""
+    L, H, D = q.shape
+    B = offsets.numel() - 1
+    seq, pos = _row_ids(offsets, L)
+    rows = seq * N + pos
+    qp = k.new_zeros((B * N, H * D)).index_copy(0, rows, q.reshape(L, -1))
+    kp = (torch.zeros_like(qp) + qp).index_copy(0, rows, k.reshape(L, -1))
+    vp = v.new_zeros((B * N, v.shape[1] * v.shape[2])).index_copy(0, rows, v.reshape(L, -1))
+    qp, kp, vp = (t.view(B, N, H, -1).transpose(1, 2) for t in (qp, kp, vp))
+    p = torch.tril(F.silu(ALPHA * (qp @ kp.transpose(-1, -2)))) / N
+    return _unpad_index((p @ vp).transpose(1, 2), offsets, L)
+
+
+def row_scale_on_keys(q, k, v, offsets, num_targets=None, attn_scale=None):
+    """Twin of ``row_scale_b1n1``: the padded scale is broadcast as ``[B, 1, 1, N]``, scaling key
+    columns instead of query rows."""
+    L = q.shape[0]
+    B = offsets.numel() - 1
+    seq, pos = _row_ids_repeat(offsets, L)
+    qp, kp, vp = (_pad_index_put(t, offsets) for t in (q, k, v))
+    scale = torch.zeros(B, N, device=q.device).index_put((seq, pos), attn_scale)
+    s = torch.tril(F.silu(torch.einsum("bnhd,bmhd->bhnm", qp, kp) * ALPHA)) * scale[:, None, None, :]
+    return _unpad_index(torch.einsum("bhnm,bmhd->bnhd", s, vp), offsets, L)
+
+
 #: name -> (function, expected substring of the near-miss reason)
 NEAR_MISSES = {
     "softmax": (softmax_attention, "softmax"),
@@ -526,6 +619,9 @@ NEAR_MISSES = {
     "uvqk_rows_sliced": (uvqk_rows_sliced, "along rows"),
     "dense_padding_rows_filled": (dense_padding_rows_filled, "padding rows are not zero"),
     "nested_padded_filled": (nested_padded_filled, "with zero padding"),
+    "zero_buffer_filled_one": (zero_buffer_filled_one, "with zero padding"),
+    "zero_buffer_from_values": (zero_buffer_from_values, "expected one jagged source"),
+    "row_scale_on_keys": (row_scale_on_keys, "not scale * silu"),
 }
 
 #: inputs of the near misses that differ from ``(q, k, v, offsets)``: name -> (attn_scale, inputs)
@@ -533,6 +629,7 @@ NEAR_MISS_INPUTS = {
     "lengths_inconsistent": (None, "lengths"),
     "row_scale_shifted": ("row", "qkv"),
     "uvqk_rows_sliced": (None, "uvqk"),
+    "row_scale_on_keys": ("row", "qkv"),
 }
 
 

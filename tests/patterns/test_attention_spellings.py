@@ -201,6 +201,25 @@ attention_default = hstu.attention.default(reshape_default, reshape_default_1, r
 mul_tensor = aten.mul.Tensor(arg4_1, 0.125)
 attention_default = hstu.attention.default(arg0_1, arg2_1, arg3_1, arg1_1, 8, 0.5, None, mul_tensor, 0, 0, 0, True)""")
 
+    def test_zero_buffers_borrowed(self):
+        self.assertExpectedInline(self.graph("zero_buffers_borrowed"), """\
+view = aten.view.default(arg0_1, [17, -1])
+view_1 = aten.view.default(arg2_1, [17, -1])
+view_2 = aten.view.default(arg3_1, [17, -1])
+reshape_default = aten.reshape.default(view, [-1, 2, 4])
+reshape_default_1 = aten.reshape.default(view_1, [-1, 2, 4])
+reshape_default_2 = aten.reshape.default(view_2, [-1, 2, 4])
+attention_default = hstu.attention.default(reshape_default, reshape_default_1, reshape_default_2, arg1_1, 8, 0.5, None, None, 0, 0, 0, True)""")
+
+    def test_zero_buffers_default_dtype(self):
+        self.assertExpectedInline(self.graph("zero_buffers_default_dtype"), """\
+view = aten.view.default(arg3_1, [17, -1])
+reshape_default = aten.reshape.default(view, [-1, 2, 4])
+attention_default = hstu.attention.default(arg0_1, arg2_1, reshape_default, arg1_1, 8, 0.5, None, None, 0, 0, 0, True)""")
+
+    def test_row_scale_b1n1(self):
+        self.assertExpectedInline(self.graph("row_scale_b1n1"), """attention_default = hstu.attention.default(arg0_1, arg2_1, arg3_1, arg1_1, 8, 0.5, arg5_1, arg4_1, 0, 0, 0, True)""")
+
     def test_nested_masked_select(self):
         self.assertExpectedInline(self.graph("nested_masked_select"), """\
 attention_default = hstu.attention.default(arg0_1, arg2_1, arg3_1, arg1_1, 8, 0.5, None, None, 0, 0, 0, True)
