@@ -1,0 +1,65 @@
+"""``torch.compile(dynamic=True)``: every dim symbolic (H and D included), floats passed as inputs.
+
+Feature dims are taken as constants with a guard (``config.specialize_features``); floats that
+Dynamo promoted to inputs are specialised with a run-time assert (``patterns/float_inputs.py``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu_inductor.patterns import spellings_attention as sp
+from hstu_inductor.report import collecting
+
+from test_attention_helpers import grad_leaves, spelling_inputs
+
+REWRITTEN = ["reference", "einsum_index_put_tril", "matmul_index_copy_where", "gather_pad_targets",
+             "contextual_window", "nested_padded", "lengths_cat_cumsum", "row_scale_after_pv", "non_causal"]
+
+
+@pytest.mark.parametrize("name", REWRITTEN)
+def test_dynamic_true_rewritten_and_equal(name):
+    fn, args = spelling_inputs(name, requires_grad=True)
+    torch._dynamo.reset()
+    with collecting() as report:
+        out = torch.compile(fn, backend="hstu", dynamic=True)(*args)
+    assert report.counts["attention"] == report.graphs >= 1, (report.graphs, report.near_misses)  # every graph
+    ref = fn(*args)
+    assert ((out - ref).norm() / ref.norm()) < 1e-5
+    leaves = grad_leaves(args)
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(out, leaves, g)
+    want = torch.autograd.grad(ref, leaves, g)
+    for a, b in zip(got, want):
+        assert ((a - b).norm() / b.norm()) < 1e-4
+
+
+def test_changed_float_global_never_silently_stale(monkeypatch):
+    """A float Dynamo passes as an input was specialised: after it changes, a call either raises
+    naming it or computes with the new value (a recompile), never with the old one."""
+    fn, args = spelling_inputs("einsum_index_put_tril")
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="hstu", dynamic=True)
+    with collecting() as report:
+        compiled(*args)
+    assert report.counts["attention"] >= 1
+    monkeypatch.setattr(sp, "ALPHA", 0.25)
+    try:
+        out = compiled(*args)
+    except Exception as e:  # the run-time assert
+        assert "ALPHA" in str(e) or "specialised" in str(e), e
+    else:
+        ref = fn(*args)
+        assert ((out - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["anti_causal", "leaky_causal", "length_normalised"])
+def test_dynamic_true_near_misses_untouched(name):
+    fn = sp.NEAR_MISSES[name][0]
+    _, args = spelling_inputs("einsum_index_put_tril")
+    torch._dynamo.reset()
+    with collecting() as report:
+        out = torch.compile(fn, backend="hstu", dynamic=True)(*args)
+    assert report.counts["attention"] == 0 and report.near_misses
+    ref = fn(*args)
+    assert ((out - ref).norm() / ref.norm()) < 1e-5
