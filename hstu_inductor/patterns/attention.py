@@ -937,9 +937,14 @@ def _prove(gm, S, pv, lengths) -> Plan:
     # ---- numeric proof (real tensors: leave the tracing fake mode for the probes)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily(), torch.no_grad():
-        _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, Odense, u_order, u_leaves,
-                       rest_shape, fo, chain_scale, pre, post)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # probes are small: thread start-up costs more than it saves
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            _numeric_proof(gm, plan, s_order, sderived, layouts, S_layout, scale_leaf, Odense, u_order, u_leaves,
+                           rest_shape, fo, chain_scale, pre, post)
+    finally:
+        torch.set_num_threads(threads)
     return plan
 
 

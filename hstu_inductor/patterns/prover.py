@@ -163,6 +163,14 @@ def solve_binding(pairs: list, base: dict) -> dict:
             continue
         if len(free) != 1:
             raise Decline(f"size {expr} has several symbols")
+        if expr.is_Symbol:  # the common case, without sympy.solve (probes bind sizes many times)
+            binding[expr] = int(value)
+            continue
+        a, b = sympy.Poly(expr, free[0]).all_coeffs() if expr.is_polynomial(free[0]) and \
+            sympy.degree(expr, free[0]) == 1 else (None, None)
+        if a is not None and a.is_Integer and b.is_Integer and (value - b) % a == 0:
+            binding[free[0]] = int((value - b) // a)
+            continue
         sol = sympy.solve(sympy.Eq(expr, value), free[0])
         if len(sol) != 1 or not sol[0].is_Integer:
             raise Decline(f"cannot bind {expr} = {value}")
