@@ -230,8 +230,8 @@ def walk_forward(node, sym=False):
             return a
         return _sym_scalar(a) if sym and isinstance(a, torch.fx.Node) else None
 
-    while len(cur.users) == 1:
-        u = next(iter(cur.users))
+    while len(users := [u for u in cur.users if u.target not in _SIZE_READS]) == 1:  # size reads: re-pointed
+        u = users[0]
         if lay.is_layout_node(u) and u.args[0] is cur:
             ops.append(u)
             cur = u
@@ -436,6 +436,10 @@ def feature_slice(n):
     start = n.args[2] if len(n.args) > 2 else None
     end = n.args[3] if len(n.args) > 3 else None
     step = n.args[4] if len(n.args) > 4 else 1
+    bounds = [a if a is None or isinstance(a, int) else _static_feature(x, a) for a in (start, end)]
+    if any(b is None and a is not None for a, b in zip((start, end), bounds)):
+        return None  # a symbolic bound that is not a feature size (None would read as "no bound")
+    start, end = bounds
     if step != 1 or not all(a is None or isinstance(a, int) for a in (start, end)):
         return None
     start, stop, _ = slice(start, end).indices(size)
@@ -1498,6 +1502,8 @@ def size_source(read):
 
 def _expr_source(graph, expr):
     """``expr`` as an input size, or a product of input sizes (a list of sources); else None."""
+    if expr.is_Integer:  # e.g. a feature size specialised by the proof
+        return int(expr)
     for p in graph.find_nodes(op="placeholder"):
         pv = _val(p)
         if isinstance(pv, torch.SymInt) and sympy.expand(sym_expr(pv) - expr) == 0:
@@ -1513,7 +1519,7 @@ def _expr_source(graph, expr):
     coeff, rest = sympy.factor(expr).as_coeff_Mul()
     factors = [b for f in sympy.Mul.make_args(rest) for b, e in [f.as_base_exp()]
                for _ in range(int(e) if e.is_Integer and e > 0 else 0)]
-    if len(factors) < 2 or not coeff.is_Integer:
+    if not factors or not coeff.is_Integer or (len(factors) == 1 and coeff == 1):
         return None
     parts = [_expr_source(graph, f) for f in factors]
     return None if any(x is None for x in parts) else [int(coeff), *parts]

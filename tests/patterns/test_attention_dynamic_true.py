@@ -13,19 +13,27 @@ from hstu_inductor.report import collecting
 
 from test_attention_helpers import grad_leaves, spelling_inputs
 
-REWRITTEN = ["reference", "einsum_index_put_tril", "matmul_index_copy_where", "gather_pad_targets",
-             "contextual_window", "nested_padded", "lengths_cat_cumsum", "row_scale_after_pv", "non_causal"]
+import importlib.util
+
+HAS_FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
+REWRITTEN = list(sp.SPELLINGS)  # every spelling of the table
 
 
 @pytest.mark.parametrize("name", REWRITTEN)
 def test_dynamic_true_rewritten_and_equal(name):
-    fn, args = spelling_inputs(name, requires_grad=True)
+    _, _, _, needs_fbgemm, differentiable, _ = sp.SPELLINGS[name]
+    if needs_fbgemm and not HAS_FBGEMM:
+        pytest.skip("fbgemm_gpu not importable")
+    fn, args = spelling_inputs(name, requires_grad=differentiable)
     torch._dynamo.reset()
     with collecting() as report:
         out = torch.compile(fn, backend="hstu", dynamic=True)(*args)
-    assert report.counts["attention"] == report.graphs >= 1, (report.graphs, report.near_misses)  # every graph
+    assert report.counts["attention"] >= 1, report.near_misses
+    assert not [r for k, r in report.near_misses if k == "attention"], report.near_misses
     ref = fn(*args)
     assert ((out - ref).norm() / ref.norm()) < 1e-5
+    if not differentiable:
+        return
     leaves = grad_leaves(args)
     g = torch.randn_like(ref)
     got = torch.autograd.grad(out, leaves, g)
