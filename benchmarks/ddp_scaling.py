@@ -77,7 +77,7 @@ def run(args, backend, rank, world, device):
     for _ in range(args.steps):
         loss = step()
     sync(device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)  # NCCL: GPU tensors only
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     steps_per_s = args.steps / elapsed.item()
     return {"backend": backend, "world": world, "device": torch.cuda.get_device_name(device)
