@@ -1,14 +1,36 @@
-"""Shared pytest set-up for the hstu_inductor tests."""
+"""Shared pytest set-up for the hstu_inductor tests.
+
+Runs the same in one process and under pytest-xdist (``make test`` uses ``-n auto``): every
+worker is its own process and loads this file (and tests/kernels/conftest.py, which sets
+``TRITON_INTERPRET``) before collecting, so the seeding fixture and the interpreter apply in each
+worker.
+"""
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sys
 
-import pytest
-import torch
+# Inductor's compile workers are separate Python processes, each importing torch: on a 2-core
+# machine starting that pool costs more than the few small C++ kernels a test compiles. One
+# in-process compile thread generates and checks the same code. Must precede ``import torch``
+# (torch._inductor.config reads it once); an explicit setting in the environment wins.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Make ``import _helpers`` work however pytest was invoked (rootdir, -p, a single file, ...).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    # Under xdist, N workers each with an all-core intra-op pool would oversubscribe the CPU:
+    # give each worker its share of the cores.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(autouse=True)
@@ -16,6 +38,41 @@ def _seed_everything():
     """Fixed seeds for every test: fresh random inputs, reproducible failures."""
     torch.manual_seed(0)
     yield
+
+
+# A module-scoped fixture (a compiled model, an exported package, a fresh-process run) is built
+# once per process that runs its tests. Under xdist the default "load" scheduling spreads one file's
+# tests over the workers and interleaves files, so such a fixture is built again and again. Test
+# files that define one are therefore scheduled as one unit; every other test is its own unit, as
+# with "load". (xdist's own ``--dist loadgroup`` drops its group marks silently on pytest 9.2:
+# pytest-xdist issue #1386.) The decision is made on the controller, which sees only node ids,
+# hence the look at the file's text.
+_SHARED_SCOPE = re.compile(r"""scope\s*=\s*["'](class|module|package)["']""")
+
+
+@functools.lru_cache(maxsize=None)
+def _file_shares_fixture(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return bool(_SHARED_SCOPE.search(f.read()))
+    except OSError:
+        return False
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist: unknown (and unused) without it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":  # an explicit --dist choice is left alone
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = str(config.rootpath)
+
+    class _SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _file_shares_fixture(os.path.join(root, path)) else nodeid
+
+    return _SharedFixtureScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
