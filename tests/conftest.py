@@ -75,8 +75,31 @@ def pytest_xdist_make_scheduler(config, log):
     return _SharedFixtureScheduling(config, log)
 
 
+# ``make test-fast`` (the inner loop) leaves out the tests marked ``heavy``; ``make test`` and CI
+# run them. Besides ``@pytest.mark.heavy`` on a test, these node-id prefixes are heavy: each costs
+# tens of seconds on 2 cores (AOTI packages, fresh interpreters, whole-model Inductor compiles,
+# recompiles under dynamic shapes, long interpreter sweeps); see ``--durations`` in the CI log.
+HEAVY = (
+    "tests/test_export.py",
+    "tests/test_backend_registration.py::test_fresh_process",
+    "tests/test_explain.py",
+    "tests/patterns/test_attention_dynamic.py",
+    "tests/patterns/test_attention_model.py",
+    "tests/patterns/test_attention_delta.py::test_delta_export",
+    "tests/patterns/test_attention_delta.py::test_delta_training_left_alone",
+    "tests/kernels/test_attention_kernels.py::test_window_sweep_fwd_bwd",
+    "tests/kernels/test_attention_kernels.py::test_target_sweep_fwd_bwd",
+    "tests/kernels/test_attention_kernels.py::test_block_shapes_and_skipping_bounds",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` tests are skipped when CUDA is unavailable."""
+    """Tests under a ``HEAVY`` prefix get the ``heavy`` mark; ``@pytest.mark.gpu`` tests are
+    skipped when CUDA is unavailable."""
+    heavy = pytest.mark.heavy
+    for item in items:
+        if item.nodeid.startswith(HEAVY):
+            item.add_marker(heavy)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
