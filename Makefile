@@ -14,7 +14,7 @@ train: setup
 test: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) $(PYTEST_ARGS)
 
-# Inner loop (< 2 min on 2 cores): everything but the tests marked ``heavy`` (see tests/conftest.py).
+# Inner loop (~290 CPU-s: about 2.5 min on 2 idle cores): everything but the tests marked ``heavy`` (see tests/conftest.py).
 test-fast: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) -m "not slow and not gpu and not heavy"
 
