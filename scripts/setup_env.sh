@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create ./.venv with everything hstu-inductor needs on a fresh machine (CPU, no GPU).
-# Usage: scripts/setup_env.sh [--test]   (--test adds pytest, expecttest, hypothesis, fbgemm)
+# Usage: scripts/setup_env.sh [--test]   (--test adds pytest, pytest-xdist, expecttest, hypothesis, fbgemm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,8 +24,8 @@ if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
 fi
 "$VENV/bin/python" -c "import numpy" 2>/dev/null || pip install -q "numpy<2.3" 2>&1 | quiet
 if [ $want_test = 1 ]; then
-  "$VENV/bin/python" -c "import pytest, expecttest, hypothesis" 2>/dev/null || {
-    echo "[setup] installing test tools"; pip install -q pytest expecttest hypothesis 2>&1 | quiet; }
+  "$VENV/bin/python" -c "import pytest, xdist, expecttest, hypothesis" 2>/dev/null || {
+    echo "[setup] installing test tools"; pip install -q pytest pytest-xdist expecttest hypothesis 2>&1 | quiet; }
   # fbgemm is optional for users; the fbgemm spelling tests use it when it imports.
   "$VENV/bin/python" -c "import fbgemm_gpu" 2>/dev/null || {
     echo "[setup] installing fbgemm-gpu-cpu==1.8.0"

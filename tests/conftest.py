@@ -1,14 +1,36 @@
-"""Shared pytest set-up for the hstu_inductor tests."""
+"""Shared pytest set-up for the hstu_inductor tests.
+
+Runs the same in one process and under pytest-xdist (``make test`` uses ``-n auto``): every
+worker is its own process and loads this file (and tests/kernels/conftest.py, which sets
+``TRITON_INTERPRET``) before collecting, so the seeding fixture and the interpreter apply in each
+worker.
+"""
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sys
 
-import pytest
-import torch
+# Inductor's compile workers are separate Python processes, each importing torch: on a 2-core
+# machine starting that pool costs more than the few small C++ kernels a test compiles. One
+# in-process compile thread generates and checks the same code. Must precede ``import torch``
+# (torch._inductor.config reads it once); an explicit setting in the environment wins.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Make ``import _helpers`` work however pytest was invoked (rootdir, -p, a single file, ...).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    # Under xdist, N workers each with an all-core intra-op pool would oversubscribe the CPU:
+    # give each worker its share of the cores.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(autouse=True)
@@ -18,8 +40,81 @@ def _seed_everything():
     yield
 
 
+# A module-scoped fixture (a compiled model, an exported package, a fresh-process run) is built
+# once per process that runs its tests. Under xdist the default "load" scheduling spreads one file's
+# tests over the workers and interleaves files, so such a fixture is built again and again. Test
+# files that define one are therefore scheduled as one unit; every other test is its own unit, as
+# with "load". (xdist's own ``--dist loadgroup`` drops its group marks silently on pytest 9.2:
+# pytest-xdist issue #1386.) The decision is made on the controller, which sees only node ids,
+# hence the look at the file's text.
+_SHARED_SCOPE = re.compile(r"""scope\s*=\s*["'](class|module|package)["']""")
+
+
+@functools.lru_cache(maxsize=None)
+def _file_shares_fixture(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return bool(_SHARED_SCOPE.search(f.read()))
+    except OSError:
+        return False
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist: unknown (and unused) without it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":  # an explicit --dist choice is left alone
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = str(config.rootpath)
+
+    class _SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _file_shares_fixture(os.path.join(root, path)) else nodeid
+
+    return _SharedFixtureScheduling(config, log)
+
+
+# ``make test-fast`` (the inner loop) leaves out the tests marked ``heavy``; ``make test`` and CI
+# run them. Besides ``@pytest.mark.heavy`` on a test, these node-id prefixes are heavy: each costs
+# tens of seconds on 2 cores (AOTI packages, fresh interpreters, whole-model Inductor compiles,
+# recompiles under dynamic shapes, long interpreter sweeps); see ``--durations`` in the CI log.
+HEAVY = (
+    "tests/test_export.py",
+    "tests/test_backend_registration.py::test_fresh_process",
+    "tests/test_explain.py",
+    "tests/test_backend_equivalence.py",
+    "tests/test_backend_registration.py::test_mode_options_reach_inductor",
+    "tests/test_ops_opcheck.py::test_attention_symbolic_L",
+    "tests/test_ops_opcheck.py::test_delta_attention_symbolic_L",
+    "tests/test_ops_opcheck.py::test_stu_ops_symbolic_L",
+    "tests/patterns/test_attention_symbolic_n.py",
+    "tests/patterns/test_attention_dynamic.py",
+    "tests/patterns/test_attention_model.py",
+    "tests/patterns/test_attention_delta.py::test_delta_export",
+    "tests/patterns/test_attention_delta.py::test_delta_training_left_alone",
+    "tests/patterns/test_attention_near_miss.py::test_nested_training_left_alone",
+    "tests/patterns/test_attention_spellings.py::test_training_matches_eager",
+    "tests/patterns/test_blocks_model.py::TestReferenceModel",
+    "tests/patterns/test_blocks_output.py::TestOutputSpellings",
+    "tests/patterns/test_blocks_output.py::TestOutputBackwardModes",
+    "tests/patterns/test_blocks_output.py::TestOutputTrainingDropout::test_mask_values",
+    "tests/patterns/test_blocks_preprocess.py::TestPreprocessSpellings",
+    "tests/patterns/test_blocks_preprocess.py::TestPreprocessBackwardModes::test_recompute",
+    "tests/patterns/test_canonicalize.py::test_training",
+    "tests/kernels/test_attention_kernels.py::test_window_sweep_fwd_bwd",
+    "tests/kernels/test_attention_kernels.py::test_target_sweep_fwd_bwd",
+    "tests/kernels/test_attention_kernels.py::test_block_shapes_and_skipping_bounds",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` tests are skipped when CUDA is unavailable."""
+    """Tests under a ``HEAVY`` prefix get the ``heavy`` mark; ``@pytest.mark.gpu`` tests are
+    skipped when CUDA is unavailable."""
+    heavy = pytest.mark.heavy
+    for item in items:
+        if item.nodeid.startswith(HEAVY):
+            item.add_marker(heavy)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
