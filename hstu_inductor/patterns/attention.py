@@ -41,6 +41,7 @@ from .prover import (
 )
 from . import generalize
 from .generalize import TooLarge
+from .sizes import SIZE_READS as _SIZE_READS, emit_source, size_source
 from .registry import register
 
 log = logging.getLogger("hstu_inductor")
@@ -1485,63 +1486,10 @@ def emit_offsets(graph, plan):
     return _emit(graph, aten.cat.default, [[zero, csum]])  # (constant_pad_nd's meta would specialize B)
 
 
-_SIZE_READS = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
-
-
-def size_source(read):
-    """A way to compute the SymInt a size read of an intermediate gives from the graph's inputs
-    (fully symbolic graphs, e.g. ``dynamic=True``, read sizes of every tensor): ``(placeholder,
-    dim)``, a SymInt placeholder, or None. Used to re-point such reads before the rewrite."""
-    val = _val(read)
-    if isinstance(val, int):
-        return val
-    if not isinstance(val, torch.SymInt):
-        return None
-    return _expr_source(read.graph, sym_expr(val))
-
-
-def _expr_source(graph, expr):
-    """``expr`` as an input size, or a product of input sizes (a list of sources); else None."""
-    if expr.is_Integer:  # e.g. a feature size specialised by the proof
-        return int(expr)
-    for p in graph.find_nodes(op="placeholder"):
-        pv = _val(p)
-        if isinstance(pv, torch.SymInt) and sympy.expand(sym_expr(pv) - expr) == 0:
-            return p
-        if isinstance(pv, torch.Tensor):
-            for d, sz in enumerate(pv.shape):
-                if sympy.expand(sym_expr(sz) - expr) == 0:
-                    return (p, d)
-    const, term = sympy.expand(expr).as_coeff_Add()
-    if const != 0 and const.is_Integer:  # e.g. B = len(offsets) - 1
-        base = _expr_source(graph, term)
-        return None if base is None else ("add", base, int(const))
-    coeff, rest = sympy.factor(expr).as_coeff_Mul()
-    factors = [b for f in sympy.Mul.make_args(rest) for b, e in [f.as_base_exp()]
-               for _ in range(int(e) if e.is_Integer and e > 0 else 0)]
-    if not factors or not coeff.is_Integer or (len(factors) == 1 and coeff == 1):
-        return None
-    parts = [_expr_source(graph, f) for f in factors]
-    return None if any(x is None for x in parts) else [int(coeff), *parts]
-
-
-def _emit_source(graph, src):
-    if isinstance(src, (int, torch.fx.Node)):
-        return src
-    if isinstance(src, tuple) and src[0] == "add":
-        return _emit(graph, operator.add, [_emit_source(graph, src[1]), src[2]])
-    if isinstance(src, tuple):
-        return _emit(graph, aten.sym_size.int, list(src))
-    out = src[0]
-    for part in src[1:]:
-        out = _emit(graph, operator.mul, [out, _emit_source(graph, part)])
-    return out
-
-
 def _reroute_size_reads(graph, plan):
     for read in getattr(plan, "size_reads", ()):
         with graph.inserting_before(read):
-            new = _emit_source(graph, size_source(read))
+            new = emit_source(graph, size_source(read))
         read.replace_all_uses_with(new)
 
 

@@ -19,6 +19,9 @@ from typing import Optional
 
 import torch
 
+from .prover import sym_expr
+from .sizes import emit_source, expr_source
+
 aten = torch.ops.aten
 
 _LIKE = {aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0, aten.full_like.default: None}
@@ -38,6 +41,9 @@ def _sizes(graph, node, template) -> Optional[list]:
     for d, s in enumerate(val.shape):
         if isinstance(s, int):
             out.append(s)
+        elif (src := expr_source(graph, sym_expr(s))) is not None:  # from the inputs' sizes
+            with graph.inserting_before(node):
+                out.append(emit_source(graph, src))
         elif tval is not None and d < tval.dim() and tval.shape[d] is s:
             with graph.inserting_before(node):
                 sz = graph.call_function(aten.sym_size.int, (template, d))

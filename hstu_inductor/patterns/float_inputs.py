@@ -26,7 +26,9 @@ def _float_input_values(dynamo_gm) -> dict:
     out = {}
     for i, p in enumerate(dynamo_gm.graph.find_nodes(op="placeholder")):
         ga, ev = p.meta.get("grapharg"), p.meta.get("example_value")
-        ex = getattr(ga, "example", None) if ga is not None else None
+        if ga is None or not getattr(ga, "pass_arg_as_tensor", False):  # a Python float Dynamo promoted
+            continue
+        ex = getattr(ga, "example", None)
         if not (isinstance(ev, torch.Tensor) and ev.dim() == 0 and ev.is_floating_point()
                 and ev.device.type == "cpu" and isinstance(ex, torch.Tensor) and ex.numel() == 1):
             continue
