@@ -1,8 +1,8 @@
 """Shared pytest set-up for the hstu_inductor tests.
 
 Runs the same in one process and under pytest-xdist (``make test`` uses ``-n auto``): every
-worker is its own process and loads this file (and tests/kernels/conftest.py, which sets
-``TRITON_INTERPRET``) before collecting, so the seeding fixture and the interpreter apply in each
+worker is its own process and loads this file (which sets ``TRITON_INTERPRET`` without CUDA)
+before collecting, so the seeding fixture and the interpreter apply in each
 worker.
 """
 from __future__ import annotations
@@ -20,6 +20,14 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Without CUDA the Triton kernels run under the interpreter. TRITON_INTERPRET is read when a
+# kernel is *decorated*, i.e. when hstu_inductor.kernels is first imported; test modules outside
+# tests/kernels (tests/distributed, collected first) import it before tests/kernels/conftest.py
+# runs, so it is set here, before any test module is collected (else every interpreter test of
+# that process fails with "Cannot call @triton.jit'd outside of the scope of a kernel").
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Make ``import _helpers`` work however pytest was invoked (rootdir, -p, a single file, ...).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
