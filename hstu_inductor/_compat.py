@@ -5,8 +5,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 __all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options", "guarded", "plain_eager",
-           "njt_view_target", "is_njt", "size_hint", "specialize_ints", "install_ddp_pre_split",
-           "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "unwrap_backend"]
+           "njt_view_target", "is_njt", "size_hint", "shape_env_hints", "specialize_ints", "install_ddp_pre_split",
+           "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "unwrap_backend", "promoted_float_inputs"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -75,6 +75,14 @@ def guarded(cond) -> bool:
     return bool(cond) if isinstance(cond, bool) else bool(guard_or_false(cond))
 
 
+def shape_env_hints(shape_env) -> dict:
+    """Symbol -> int value of every backed symbol of ``shape_env`` (nested ints have none)."""
+    table = getattr(shape_env, "backed_var_to_val", None)  # torch >= 2.13
+    if table is None:
+        table = shape_env.var_to_val
+    return {k: int(v) for k, v in table.items() if getattr(v, "is_Integer", True)}
+
+
 def specialize_ints(sizes) -> None:
     """Fix symbolic sizes to their current values, with a guard each (``guard_int``): the
     compiled graph then recompiles if one of them changes."""
@@ -84,9 +92,9 @@ def specialize_ints(sizes) -> None:
         if not isinstance(s, torch.SymInt):
             continue
         env = s.node.shape_env
-        hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # 2.13 / 2.11 spelling
+        hints = shape_env_hints(env)
         for sym in sorted(s.node.expr.free_symbols, key=str):  # each symbol, so products fold too
-            guard_int(env.create_symintnode(sym, hint=int(hints[sym])))
+            guard_int(env.create_symintnode(sym, hint=hints[sym]))
 
 
 def size_hint(x) -> int:
@@ -185,6 +193,24 @@ def unwrap_backend(backend):
         elif getattr(backend, "__wrapped__", None) is not None:
             backend = backend.__wrapped__
     return backend, kwargs
+
+
+def promoted_float_inputs(dynamo_gm: torch.fx.GraphModule) -> dict:
+    """Placeholder index -> (value, source name) of the Python floats Dynamo passed as 0-d CPU
+    tensor inputs (``dynamic=True``: ``GraphArg.pass_arg_as_tensor``), with their values at
+    compile time (``GraphArg.example``)."""
+    out = {}
+    for i, p in enumerate(dynamo_gm.graph.find_nodes(op="placeholder")):
+        ga, ev = p.meta.get("grapharg"), p.meta.get("example_value")
+        if ga is None or not getattr(ga, "pass_arg_as_tensor", False):
+            continue
+        ex = getattr(ga, "example", None)
+        if not (isinstance(ev, torch.Tensor) and ev.dim() == 0 and ev.is_floating_point()
+                and ev.device.type == "cpu" and isinstance(ex, torch.Tensor) and ex.numel() == 1):
+            continue
+        source = getattr(ga, "source", None)
+        out[i] = (float(ex), source.name() if callable(getattr(source, "name", None)) else p.name)
+    return out
 
 
 def carry_dynamo_placeholder_meta(src: torch.fx.GraphModule, dst: torch.fx.GraphModule) -> bool:

@@ -21,6 +21,8 @@ from typing import Callable, Optional
 import sympy
 import torch
 
+from .prover import substitute
+
 aten = torch.ops.aten
 
 Mode = tuple  # (size: sympy.Expr, axis: Optional[str], stride: sympy.Expr)
@@ -289,9 +291,7 @@ def narrow(layout, dim, start, stop, axis_size):
 def concretize(layout, binding: dict) -> tuple:
     """Substitute symbol values; returns a layout of python ints."""
     def c(e):
-        e = to_expr(e)
-        if binding and not e.is_number:
-            e = e.xreplace({k: sympy.Integer(v) if isinstance(v, int) else v for k, v in binding.items()})
+        e = substitute(to_expr(e), binding)
         if not e.is_Integer:
             raise LayoutError(f"unbound size {e}")
         return int(e)

@@ -16,25 +16,11 @@ import operator
 
 import torch
 
+from .. import _compat
+
 aten = torch.ops.aten
 
 __all__ = ["specialise_float_inputs"]
-
-
-def _float_input_values(dynamo_gm) -> dict:
-    """placeholder index -> (value, source name) of the 0-d float inputs Dynamo promoted."""
-    out = {}
-    for i, p in enumerate(dynamo_gm.graph.find_nodes(op="placeholder")):
-        ga, ev = p.meta.get("grapharg"), p.meta.get("example_value")
-        if ga is None or not getattr(ga, "pass_arg_as_tensor", False):  # a Python float Dynamo promoted
-            continue
-        ex = getattr(ga, "example", None)
-        if not (isinstance(ev, torch.Tensor) and ev.dim() == 0 and ev.is_floating_point()
-                and ev.device.type == "cpu" and isinstance(ex, torch.Tensor) and ex.numel() == 1):
-            continue
-        out[i] = (float(ex), getattr(getattr(ga, "source", None), "name", lambda: p.name)()
-                  if callable(getattr(getattr(ga, "source", None), "name", None)) else p.name)
-    return out
 
 
 def _substitute(node, old, value):
@@ -48,7 +34,7 @@ def _substitute(node, old, value):
 def specialise_float_inputs(dynamo_gm, aten_gm) -> list:
     """Replace the float inputs of ``aten_gm`` (read only through ``.item()``) by their compile-time
     values, with a run-time equality assert each. Returns the source names specialised."""
-    values = _float_input_values(dynamo_gm)
+    values = _compat.promoted_float_inputs(dynamo_gm)
     if not values:
         return []
     phs = list(aten_gm.graph.find_nodes(op="placeholder"))
@@ -65,7 +51,7 @@ def specialise_float_inputs(dynamo_gm, aten_gm) -> list:
                 for u in list(node.users):
                     _substitute(u, node, const)
                     if u.op == "call_function" and getattr(u.target, "__module__", None) in ("_operator", "math") \
-                            and not any(isinstance(a, torch.fx.Node) for a in u.all_input_nodes):
+                            and not u.all_input_nodes:
                         pending.append(u)
                 aten_gm.graph.erase_node(node)
         with aten_gm.graph.inserting_after(phs[-1]):

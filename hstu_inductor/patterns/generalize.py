@@ -48,7 +48,8 @@ import torch
 
 from torch.utils._sympy.functions import FloorDiv
 
-from .prover import Decline
+from .. import _compat
+from .prover import Decline, attribute, substitute
 
 log = logging.getLogger("hstu_inductor")
 aten = torch.ops.aten
@@ -76,12 +77,6 @@ class Sizes:
     descriptor: Optional[str] = None  # name of the offsets / lengths placeholder
     lengths: bool = False
 
-    def merge(self, other: "Sizes") -> "Sizes":
-        return Sizes(B=self.B if self.B is not None else other.B,
-                     Ns=tuple(sorted(set(self.Ns) | set(other.Ns))),
-                     L=self.L if self.L is not None else other.L,
-                     descriptor=self.descriptor or other.descriptor,
-                     lengths=self.lengths if self.descriptor else other.lengths)
 
 
 class GeneralizeError(Exception):
@@ -141,11 +136,14 @@ class _Generaliser:
         self.expr_nodes: dict = {}     # emitted sympy expr -> node
         self.decisions: list = []
         self.features: set = set()     # trailing static dims of tensors with symbolic rows
-        self.atoms: list = []          # (sympy expr, hint) of B, N..., L
         self.atom_syms: set = set()
-        self.n_placeholders: list = []
         self.dim_sources: dict = {}    # symbolic size expr -> (input node, dim) holding it (inputs only:
         #                                a size read of an intermediate would keep it alive)
+
+    @property
+    def atoms(self) -> list:
+        """(sympy expr, hint) of the atoms B, N..., L."""
+        return [(e, h) for e, h, _ in self.named_atoms]
 
     # -- symbols ----------------------------------------------------------------------------
     def _symint(self, hint: int, name: str) -> torch.SymInt:
@@ -160,17 +158,10 @@ class _Generaliser:
         expr = sympy.sympify(expr)
         if expr.is_Integer:
             return int(expr)
-        hint = int(expr.subs(self._hints()))
-        return self.shape_env.create_symintnode(expr, hint=hint)
-
-    def _hints(self) -> dict:
-        table = getattr(self.shape_env, "backed_var_to_val", None)
-        if table is None:
-            table = self.shape_env.var_to_val
-        return {k: int(v) for k, v in table.items()}
+        return self.shape_env.create_symintnode(expr, hint=self.hint(expr))
 
     def hint(self, expr) -> int:
-        return int(sympy.sympify(expr).subs(self._hints()))
+        return int(substitute(sympy.sympify(expr), _compat.shape_env_hints(self.shape_env)))
 
     # -- placeholders -------------------------------------------------------------------------
     def placeholders(self):
@@ -208,7 +199,6 @@ class _Generaliser:
             else:
                 O_sym = self._symint(sz.B + 1, "hstu_offsets").node.expr
                 B_sym = O_sym - 1
-        new_vals = []
         for p, v in zip(phs, vals):
             new = self.graph.placeholder(p.target)
             new.meta = {k: m for k, m in p.meta.items() if k not in ("val", "example_value", "tensor_meta")}
@@ -243,21 +233,17 @@ class _Generaliser:
                 val = v
             new.meta["val"] = val
             self.env[p] = new
-            new_vals.append(val)
         for i, n in enumerate(sz.Ns):
             ph = self.graph.placeholder(f"hstu_max_seq_len_{i}")
             val = self._symint(n, f"hstu_N{i}")
             ph.meta["val"] = val
             self.sym_nodes[val.node.expr] = ph
-            self.n_placeholders.append(ph)
             self.named_atoms.append((val.node.expr, n, "N"))
         if B_sym is not None:
             self.named_atoms.append((B_sym, sz.B, "B"))
         if L_sym is not None:
             self.named_atoms.append((L_sym, sz.L, "L"))
-        self.atoms = [(e, h) for e, h, _ in self.named_atoms]
-        self.atom_syms = set().union(*(sympy.sympify(e).free_symbols for e, _ in self.atoms)) if self.atoms else set()
-        return new_vals
+        self.atom_syms = set().union(*(sympy.sympify(e).free_symbols for e, _ in self.atoms))
 
     def _note_dims(self, node, val):
         if isinstance(val, torch.Tensor):
@@ -366,12 +352,12 @@ class _Generaliser:
                 out.append((expr, math.prod(self.atoms[i][1] for i in combo), r))
         return out
 
-    def size_options(self, c: int, allow_coeff=True):
+    def size_options(self, c: int):
         """Expressions of atoms whose value is ``c`` (best first), then ``c`` itself."""
         opts = []
         if c >= 2:
             for expr, h, deg in self._monomials():
-                if c % h == 0 and (allow_coeff or c == h):
+                if c % h == 0:
                     opts.append((-deg, c // h, sympy.expand(expr * (c // h))))
         # exact values first, then fewer atoms (N = 1024 is N, not B*B with B = 32), then small factors
         opts.sort(key=lambda t: (t[1] != 1, -t[0], t[1]))
@@ -461,9 +447,6 @@ class _Generaliser:
         kwargs = dict(kwargs)
         key = node.name
 
-        def expr_arg(e):
-            return self.emit(e)
-
         if name in _LIST_VIEW and len(args) > 1 and isinstance(args[1], (list, tuple)):
             inp = args[0].meta["val"] if isinstance(args[0], torch.fx.Node) else None
             sizes = list(args[1])
@@ -472,7 +455,7 @@ class _Generaliser:
                 new = []
                 for g, opts in enumerate(groups):
                     new += self.choose((key, "view", g), opts + ([opts[-1]] if len(opts) == 1 else []))
-                args[1] = [expr_arg(e) for e in new]
+                args[1] = [self.emit(e) for e in new]
             else:
                 args[1] = [self._fresh_size(key, ("view", i), s) for i, s in enumerate(sizes)]
         elif name == "expand" and len(args) > 1:
@@ -483,7 +466,7 @@ class _Generaliser:
                 if _is_int(s) and s != -1 and i >= off and self.hint(_sx(inp.shape[i - off])) == s:
                     new.append(inp.shape[i - off] if not _sx(inp.shape[i - off]).is_Integer else s)
                     if isinstance(new[-1], torch.SymInt):
-                        new[-1] = expr_arg(_sx(new[-1]))
+                        new[-1] = self.emit(_sx(new[-1]))
                 else:
                     new.append(self._fresh_size(key, ("expand", i), s))
             args[1] = new
@@ -509,7 +492,7 @@ class _Generaliser:
                     if d.is_Integer:  # bounds within a static (feature) dim stay literal
                         continue
                     if self.hint(d) == args[i]:
-                        args[i] = expr_arg(d)
+                        args[i] = self.emit(d)
                     else:
                         args[i] = self._arith(key, i, args[i])
         elif name in _JAGGED_SIZE_ARGS:
@@ -561,9 +544,7 @@ class _Generaliser:
                 continue
             if node.op == "get_attr":
                 new = self.graph.get_attr(node.target)
-                obj = self.gm
-                for part in node.target.split("."):
-                    obj = getattr(obj, part)
+                obj = attribute(self.gm, node.target)
                 new.meta["val"] = self.fake_mode.from_tensor(obj) if isinstance(obj, torch.Tensor) else obj
                 self.env[node] = new
                 continue
@@ -718,8 +699,6 @@ def prove_generalised(gm, e: TooLarge, prove, rewrite):
 def _specialise(gen_gm, vals: list, sizes: Sizes, fake_mode):
     """Re-trace ``gen_gm`` at the real inputs and the real N values: every symbolic size folds
     back to an int literal (or to the original graph's own symbols)."""
-    from .. import _compat
-
     with fake_mode:
         return _compat.trace_aten(gen_gm, list(vals) + list(sizes.Ns))
 
@@ -738,9 +717,7 @@ def _splice(gm, spec, inputs, last):
                 out = torch.fx.node.map_arg(n.args[0], env.__getitem__)
                 break
             if n.op == "get_attr":
-                obj = spec
-                for part in n.target.split("."):
-                    obj = getattr(obj, part)
+                obj = attribute(spec, n.target)
                 name = f"_hstu_const_{len([x for x in gm.graph.nodes if x.op == 'get_attr'])}"
                 gm.register_buffer(name, obj) if isinstance(obj, torch.Tensor) else setattr(gm, name, obj)
                 env[n] = gm.graph.get_attr(name)

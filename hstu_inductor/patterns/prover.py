@@ -24,6 +24,7 @@ from typing import Iterable, Optional
 import sympy
 import torch
 
+from .. import _compat
 from ..reference import hstu_mask, jagged_to_padded
 
 aten = torch.ops.aten
@@ -57,6 +58,14 @@ def closure(outputs: Iterable[torch.fx.Node], leaves: set) -> tuple[list, set]:
     return order, reached
 
 
+def attribute(gm, target: str):
+    """The module attribute a ``get_attr`` node reads (dotted path)."""
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _to_probe(x):
     if isinstance(x, torch.dtype) and x.is_floating_point:
         return torch.float64
@@ -81,9 +90,7 @@ def evaluate(gm: torch.fx.GraphModule, order: list, env: dict) -> dict:
         if isinstance(a, torch.fx.Node):
             if a not in env:
                 if a.op == "get_attr":
-                    obj = gm
-                    for part in a.target.split("."):
-                        obj = getattr(obj, part)
+                    obj = attribute(gm, a.target)
                     env[a] = obj.detach().to("cpu").to(torch.float64) if obj.is_floating_point() else obj.cpu()
                 else:
                     raise Decline(f"probe evaluation reached an unbound input {a.name}")
@@ -132,11 +139,6 @@ def sym_expr(x):
     return sympy.Integer(int(x))
 
 
-def _env_hints(shape_env) -> dict:
-    table = getattr(shape_env, "backed_var_to_val", None)  # torch >= 2.13
-    if table is None:
-        table = shape_env.var_to_val
-    return {k: int(v) for k, v in table.items() if getattr(v, "is_Integer", True)}  # nested ints: no hint
 
 
 def hints(*vals) -> dict:
@@ -145,9 +147,9 @@ def hints(*vals) -> dict:
         if isinstance(v, torch.Tensor):
             for s in v.shape:
                 if isinstance(s, torch.SymInt):
-                    return _env_hints(s.node.shape_env)
+                    return _compat.shape_env_hints(s.node.shape_env)
         if isinstance(v, torch.SymInt):
-            return _env_hints(v.node.shape_env)
+            return _compat.shape_env_hints(v.node.shape_env)
     return {}
 
 
