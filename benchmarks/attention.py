@@ -28,20 +28,38 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 STATIC = False  # --static: compile the hstu_backend provider with dynamic=False
 
 PROVIDERS = ["eager", "inductor", "hstu_backend", "triton_auto", "triton_tma", "triton_ptr", "triton_tma_det"]
+# The anchor (issue 12): generative-recommenders' Triton kernels, TMA and pointer variants, imported from
+# a copy of its repository that is not part of this project (HSTU_ANCHOR_PATH, default ./.anchor; see
+# benchmarks/README or RESULTS.md for how it is made). They get contiguous q/k/v (their TMA path needs it).
+ANCHORS = ["gr_tma", "gr"]
 
 
-def make_inputs(B, N, H, Dq, Dv, dtype, device, seed=0):
+def _anchor():
+    root = os.environ.get("HSTU_ANCHOR_PATH", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                           ".anchor"))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from generative_recommenders.ops.triton import triton_hstu_attention as gr
+
+    return gr
+
+
+def make_inputs(B, N, H, Dq, Dv, dtype, device, seed=0, layout="fused"):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(int(0.9 * N), N, (B,), generator=g)
     offsets = torch.zeros(B + 1, dtype=torch.int64)
     offsets[1:] = lengths.cumsum(0)
     L = int(offsets[-1])
     num_targets = torch.randint(1, 21, (B,), generator=g)
-    # q, k, v as strided views of one fused projection output, as in an STU layer
+    # fused: q, k, v as strided views of one fused projection output, as in an STU layer;
+    # contig: three contiguous [L, H, D] tensors
     fused = torch.randn(L, H * (2 * Dv + 2 * Dq), device=device, dtype=dtype)
     v = fused[:, H * Dv:2 * H * Dv].view(L, H, Dv)
     q = fused[:, 2 * H * Dv:2 * H * Dv + H * Dq].view(L, H, Dq)
     k = fused[:, 2 * H * Dv + H * Dq:].view(L, H, Dq)
+    if layout == "contig":
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        del fused
     return q, k, v, offsets.to(device), num_targets.to(device), lengths
 
 
@@ -116,6 +134,27 @@ def build_provider(name, N, alpha, num_targets):
 
         return fwd, make_bwd
 
+    if name in ANCHORS:
+        gr = _anchor()
+        gr_tma = name == "gr_tma"
+
+        def gfwd(q, k, v, off):
+            q, k, v = (t.contiguous() for t in (q, k, v))  # no copy for contiguous inputs
+            return gr.triton_hstu_attention_fwd(N, alpha, q, k, v, off, num_targets, 0, 0, None, gr_tma, 0)
+
+        def gmake_bwd(q, k, v, off, dout):
+            q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+            def step():
+                gr.triton_hstu_attention_bwd(dout, q, k, v, dq, dk, dv, off, num_targets, N, alpha, 0, 0, None,
+                                             gr_tma, 0)
+                return dq, dk, dv
+
+            return step
+
+        return gfwd, gmake_bwd
+
     from hstu_inductor.kernels import attention as K
 
     tma = {"triton_auto": None, "triton_ptr": False}.get(name, True)
@@ -182,7 +221,9 @@ def autotune_delta(before, label):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    ap.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)
+    ap.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS + ANCHORS)
+    ap.add_argument("--layout", default="fused", choices=["fused", "contig"],
+                    help="q/k/v: views of one fused projection (default) or contiguous tensors")
     ap.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
@@ -207,10 +248,11 @@ def main():
     alpha = 1.0 / Dq
     os.makedirs(args.out, exist_ok=True)
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}  torch {torch.__version__}  "
-          f"triton {__import__('triton').__version__}  B={B} H={H} Dq={Dq} Dv={Dv} {args.dtype}", flush=True)
+          f"triton {__import__('triton').__version__}  B={B} H={H} Dq={Dq} Dv={Dv} {args.dtype} layout={args.layout} "
+          f"tile order={os.environ.get('HSTU_INDUCTOR_TILE_ORDER', 'seq')}", flush=True)
     rows = []
     for N in args.n:
-        q, k, v, off, nt, lengths = make_inputs(B, N, H, Dq, Dv, dtype, device, seed=N)
+        q, k, v, off, nt, lengths = make_inputs(B, N, H, Dq, Dv, dtype, device, seed=N, layout=args.layout)
         f_fwd, f_bwd = flops(lengths, H, Dq, Dv)
         dout = torch.randn(q.shape[0], H, Dv, device=device, dtype=dtype)
         ref_out = None
@@ -230,7 +272,7 @@ def main():
                     fwd, make_bwd = build_provider(prov, N, alpha, nt)
                     if mode == "fwd":
                         out = fwd(q, k, v, off)
-                        if args.check and prov.startswith("triton"):
+                        if args.check and not baseline:
                             if ref_out is None:
                                 ref_out = reference_fwd(q, k, v, off, nt, N, alpha)
                             err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
@@ -241,7 +283,7 @@ def main():
                     else:
                         step = make_bwd(q, k, v, off, dout)
                         got = step()
-                        if args.check and prov.startswith("triton"):
+                        if args.check and not baseline:
                             # against an independent dQ computation: the deterministic split kernels, or
                             # (for the deterministic provider itself) the atomic kernel
                             if prov == "triton_tma_det":

@@ -19,9 +19,12 @@ Backward: one program per key block keeps dK/dV in registers and walks the query
 see it. dQ is either
   * "atomic": accumulated with fp32 atomics (pointer atomics by default; TMA reduce-add and
     vectorized ``red.v2`` via HSTU_INDUCTOR_DQ_MODE=2/3) into an fp32 buffer, scaled and cast once, or
-  * "split": computed by a second kernel that walks key blocks per query block (no atomics,
-    bitwise repeatable). ``deterministic=True`` always uses it; otherwise it is chosen for
-    max_seq_len > 1024, where it measured faster on H200 (HSTU_INDUCTOR_BWD_ALGO overrides).
+  * "split" (the default): computed by a second kernel that walks key blocks per query block (no
+    atomics, bitwise repeatable); it measured as fast or faster at every N on H100
+    (HSTU_INDUCTOR_BWD_ALGO=atomic overrides unless ``deterministic=True``).
+
+Program order: the row blocks of one (sequence, head) are adjacent programs of a 1-D grid
+(:func:`_tile`), so the CTAs resident at once share their K/V (or Q/dO) tiles in L2.
 
 Tuning knobs (environment): HSTU_INDUCTOR_AUTOTUNE=0 (one default config, no autotuning),
 HSTU_INDUCTOR_SILU=exact|tanh|packed, HSTU_INDUCTOR_DQ_MODE=1|2|3, HSTU_INDUCTOR_BWD_ALGO=atomic|split.
@@ -174,6 +177,29 @@ def _silu_and_grad(s, alpha, FAST: tl.constexpr):
         sig = 1.0 / (1.0 + tl.exp2(x * -1.4426950408889634))
         y = x * sig
     return y, sig + y * (1.0 - sig)
+
+
+@triton.jit
+def _tile(span, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, SEQ_MAJOR: tl.constexpr):
+    """(b * H + h, row block) of this program in a 1-D grid of B * H * cdiv(span, BLOCK) programs.
+
+    SEQ_MAJOR: the row blocks of one (sequence, head) are adjacent programs, so the CTAs resident at
+    once share K/V (fwd, dQ) or Q/dO (dK/dV) through L2; otherwise one block of every (sequence, head)
+    comes before the next block, and each K/V tile is re-read from DRAM by every row block.
+    LAST_FIRST: the last row block (the most keys under a causal mask) of a (sequence, head) first.
+    """
+    pid = tl.program_id(0)
+    n_blocks = (span + BLOCK - 1) // BLOCK
+    if SEQ_MAJOR:
+        bh = pid // n_blocks
+        blk = pid % n_blocks
+    else:
+        n_bh = tl.num_programs(0) // n_blocks
+        bh = pid % n_bh
+        blk = pid // n_bh
+    if LAST_FIRST:
+        blk = n_blocks - 1 - blk
+    return bh, blk
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,16 +364,18 @@ def _hstu_fwd_kernel(
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, DELTA: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    Q_IN_REGS: tl.constexpr = False,
+    SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
 ):
     # Inductor passes Python float arguments of user kernels as fp64 (a direct launch passes fp32):
     # cast once so the score math and the fp32-only inline-asm silu see fp32 on both paths.
     alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
-    pid_bh = tl.program_id(0)
+    # heaviest row blocks (largest start row under a causal mask) are launched first
+    if DELTA:
+        pid_bh, m_blk = _tile(DELTA_ROWS, BLOCK_M, True, SEQ_MAJOR)
+    else:
+        pid_bh, m_blk = _tile(MAX_N, BLOCK_M, True, SEQ_MAJOR)
     b = pid_bh // H
     h = pid_bh % H
-    # heaviest row blocks (largest start row under a causal mask) are launched first
-    m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
     start, n = _seq_bounds(SEQ_OFFSETS, b, ROWS, MAX_N)
     if DELTA:
         nq = n * 0 + DELTA_ROWS
@@ -514,12 +542,13 @@ def _hstu_bwd_dkdv_kernel(
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ_MAJOR: tl.constexpr = True,
 ):
     alpha, scale_const = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32)  # fp64 under Inductor
-    pid_bh = tl.program_id(0)
+    # early key blocks are seen by the most query rows: launched first
+    pid_bh, n_blk = _tile(MAX_N, BLOCK_N, False, SEQ_MAJOR)
     b = pid_bh // H
     h = pid_bh % H
-    n_blk = tl.program_id(1)  # early key blocks are seen by the most query rows: launched first
     start, n = _seq_bounds(SEQ_OFFSETS, b, ROWS, MAX_N)
     n0 = n_blk * BLOCK_N
     if n0 >= n:
@@ -677,14 +706,13 @@ def _hstu_bwd_dq_kernel(
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    Q_IN_REGS: tl.constexpr = False,
+    SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
 ):
     # fp64 under Inductor: see the forward kernel
     alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
-    pid_bh = tl.program_id(0)
+    pid_bh, m_blk = _tile(MAX_N, BLOCK_M, True, SEQ_MAJOR)
     b = pid_bh // H
     h = pid_bh % H
-    m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
     start, n = _seq_bounds(SEQ_OFFSETS, b, ROWS, MAX_N)
     r0 = m_blk * BLOCK_M
     if r0 >= n:
@@ -770,7 +798,9 @@ def _dq_finalize_kernel(DQA, DQo, ATTN_SCALE, numel, factor, SCALE_MODE: tl.cons
 # Autotuning
 # --------------------------------------------------------------------------------------------
 
-_KEY = ["H", "DQ", "DV", "N_BUCKET", "TMA"]  # dtypes of all tensor args are appended by triton
+# dtypes of all tensor args are appended by triton; the row strides tell a contiguous [L, H, D] tensor
+# from a view of a fused projection (a best config measured for one need not suit the other)
+_KEY = ["H", "DQ", "DV", "N_BUCKET", "TMA", "stride_qm", "stride_km"]
 
 
 def _cfg(kind, block_m, block_n, warps, stages, maxnreg=None, qregs=False):
@@ -786,13 +816,16 @@ def _cfg(kind, block_m, block_n, warps, stages, maxnreg=None, qregs=False):
 # dkdv: BLOCK_N key rows per program, BLOCK_M query rows per step.
 # maxnreg=128 with 8 warps lets two 128-row CTAs share an SM (independent warpgroups overlap better).
 # q_in_regs: Q (and dO) become register A operands of wgmma, halving shared-memory reads of S = Q K^T.
+# The head-dim <= 128 lists keep the configs that came first or second for some N in 512..4096 and
+# some layout in the H100 tuning logs of session 5 (benchmarks/RESULTS.md); each extra config costs a
+# Triton compile on the first call of every new key.
 _R = True
 _GPU_CONFIGS = {
-    ("fwd", "small"): [(128, 32, 4, 3), (128, 64, 8, 2, 128), (128, 64, 8, 3), (128, 128, 8, 3, None, _R)],
+    ("fwd", "small"): [(128, 32, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3), (128, 32, 4, 4), (128, 64, 8, 2, 128)],
     ("fwd", "large"): [(64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
-    ("dkdv", "small"): [(32, 128, 8, 3), (64, 128, 8, 3)],
+    ("dkdv", "small"): [(64, 128, 8, 3), (64, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 4), (32, 128, 8, 3)],
     ("dkdv", "large"): [(32, 64, 4, 2), (64, 64, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2)],
-    ("dq", "small"): [(128, 64, 8, 3), (128, 64, 8, 4, None, _R)],
+    ("dq", "small"): [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 4, None, _R), (64, 32, 4, 3)],
     ("dq", "large"): [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 3)],
     # fp32 inputs (3-pass tf32 dots need much more shared memory and registers): small tiles
     ("fwd", "fp32"): [(32, 32, 4, 1)],
@@ -843,14 +876,14 @@ _TUNERS: dict = {}  # for benchmark reports: name -> triton Autotuner
 
 def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, kwargs: dict,
             atomic_dq: bool = False, fp32: bool = False):
-    """Launch kernel ``kind`` over (grid_x, cdiv(grid_rows, BLOCK_{M|N}))."""
+    """Launch kernel ``kind`` over grid_x * cdiv(grid_rows, BLOCK_{M|N}) programs (see :func:`_tile`)."""
     row_block = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
     forced = _FORCED_CONFIGS.get(kind)
     if forced is not None:
         cfg = _cfg(kind, *forced)
         rb = cfg.kwargs["BLOCK_N"] if kind == "dkdv" else cfg.kwargs["BLOCK_M"]
         extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
-        _JIT[kind][(grid_x, triton.cdiv(grid_rows, rb))](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps,
+        _JIT[kind][(grid_x * triton.cdiv(grid_rows, rb),)](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps,
                                                         num_stages=cfg.num_stages, **extra)  # test hook: eager only
         return
     size = "fp32" if fp32 else ("small" if block_d <= 128 else "large")
@@ -858,7 +891,7 @@ def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, k
     if log.isEnabledFor(logging.DEBUG):
         log.debug("hstu %s launch: configs=%s, constexprs=%s, int args=%s", kind, size,
                   {k: v for k, v in kwargs.items()}, [a for a in args if isinstance(a, (int, float))])
-    _launcher(kern, args)[lambda meta: (grid_x, triton.cdiv(grid_rows, meta[row_block]))](*args, **kwargs)
+    _launcher(kern, args)[lambda meta: (grid_x * triton.cdiv(grid_rows, meta[row_block]),)](*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -901,8 +934,16 @@ def _tma_ok(t: Optional[torch.Tensor]) -> bool:
             and guarded((t.stride(1) * es) % 16 == 0))
 
 
-def _use_tma(tma, device, tensors) -> bool:
+# tma=None takes descriptors only from this N bucket up: below it the per-program descriptor set-up
+# costs more than TMA saves (H100, session 5: pointer loads 209 vs 173 TFLOP/s fwd at N=512, 313 vs
+# 302 at N=1024; a tie at 2048; TMA 479 vs 431 at 4096).
+_TMA_MIN_N = 2048
+
+
+def _use_tma(tma, device, tensors, max_seq_len=None) -> bool:
     if tma is False:
+        return False
+    if tma is None and max_seq_len is not None and _n_bucket(max_seq_len) < _TMA_MIN_N:
         return False
     ok_dev = tma_supported(device)
     if tma is True:
@@ -1000,6 +1041,15 @@ def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_
     )
 
 
+def _seq_major() -> bool:
+    """Tile order (:func:`_tile`). ``HSTU_INDUCTOR_TILE_ORDER=block`` restores the block-major order
+    of earlier releases, for side-by-side benchmarks."""
+    order = os.environ.get("HSTU_INDUCTOR_TILE_ORDER", "seq")
+    if order not in ("seq", "block"):
+        raise ValueError(f"HSTU_INDUCTOR_TILE_ORDER must be 'seq' or 'block', got {order!r}")
+    return order == "seq"
+
+
 _SILU_MODES = {"exact": 0, "tanh": 1, "packed": 2}
 
 
@@ -1033,7 +1083,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
     out = _new((rows, H, Dv), q.dtype, q.device)
     if rows == 0 or B <= 0 or H == 0 or max_seq_len <= 0:
         return out.zero_()
-    use_tma = _use_tma(tma, q.device, (q, k, v))
+    use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
     flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     bdq, bdv = _block_d(Dq), _block_d(Dv)
@@ -1043,7 +1093,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
             float(alpha), float(scale_const), 1.0,
             H, Dq, Dv, k.shape[0], max_seq_len, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
             _n_bucket(max_seq_len))
-    kwargs = dict(flags, SCALE_MODE=scale_mode, DELTA=delta_rows > 0, TMA=use_tma,
+    kwargs = dict(flags, SCALE_MODE=scale_mode, DELTA=delta_rows > 0, TMA=use_tma, SEQ_MAJOR=_seq_major(),
                   FAST=_fast_silu(q.dtype, q.device), PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv,
                   BLOCK_DQ=bdq, BLOCK_DV=bdv)
     grid_rows = delta_rows if delta_rows > 0 else max_seq_len
@@ -1097,22 +1147,25 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
         raise ValueError(f"dout must be {(L, H, Dv)}, got {tuple(dout.shape)}")
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
-    use_tma = _use_tma(tma, q.device, (q, k, v))
+    use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
     flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     # Algorithm: "split" = dK/dV kernel + separate dQ kernel (no atomics, bitwise repeatable);
-    # "atomic" = one kernel, dQ through fp32 atomics. Non-deterministic calls take whichever measured
-    # faster on H200 (atomic up to N=1024, split above); HSTU_INDUCTOR_BWD_ALGO=atomic|split overrides.
-    algo = "split" if deterministic else os.environ.get(
-        "HSTU_INDUCTOR_BWD_ALGO", "split" if max_seq_len > 1024 else "atomic")
+    # "atomic" = one kernel, dQ through fp32 atomics. Split is the default: with the sequence-major
+    # tile order it measured faster at N <= 1024 and tied at 2048 (H100, session 5; atomics won
+    # at N <= 1024 only while every tile re-read Q/dO from DRAM). HSTU_INDUCTOR_BWD_ALGO=atomic overrides.
+    algo = "split" if deterministic else os.environ.get("HSTU_INDUCTOR_BWD_ALGO", "split")
+    if algo not in ("split", "atomic"):
+        raise ValueError(f"HSTU_INDUCTOR_BWD_ALGO must be 'split' or 'atomic', got {algo!r}")
     split = algo == "split"
     # With atomics, pointer loads measured faster than TMA loads in the dK/dV kernel: auto mode uses them.
     tma_dkdv = use_tma and (split or tma is True)
     if use_tma and not _tma_ok(dout):
         dout = dout.contiguous()
     bdq, bdv = _block_d(Dq), _block_d(Dv)
-    common = dict(flags, SCALE_MODE=scale_mode, TMA=use_tma, FAST=_fast_silu(q.dtype, q.device),
-                  PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv, BLOCK_DQ=bdq, BLOCK_DV=bdv)
+    common = dict(flags, SCALE_MODE=scale_mode, TMA=use_tma, SEQ_MAJOR=_seq_major(),
+                  FAST=_fast_silu(q.dtype, q.device), PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv,
+                  BLOCK_DQ=bdq, BLOCK_DV=bdv)
     tail = (float(alpha), float(scale_const), H, Dq, Dv, L, max_seq_len, int(contextual_seq_len), int(max_attn_len),
             int(min_full_attn_seq_len), _n_bucket(max_seq_len))
     if split:
