@@ -5,7 +5,8 @@ holds the last ``D`` positions of every sequence (dense, viewed ``[B, D, H, Dq]`
 full jagged tensors padded through ``offsets``; the output ``[B*D, H, Dv]`` equals rows
 ``n_b-D .. n_b-1`` of the full causal HSTU attention (targets / contextual / window, ``f = 0``).
 
-The proof reuses the pieces of the full-attention prover (``attention.py``):
+The proof runs the stages of full attention (``attention.py``) and reuses their pieces (``attn_find``,
+``attn_structure``, ``attn_prove``, ``attn_emit``); what differs:
 
 1. **Anchor.** Same ``bmm`` pair ``O = X @ Y``, ``S = A @ K``, but ``S`` is ``[Z, D, N]`` (may be
    rectangular). A candidate is *delta* when ``A`` walks back (layout ops, scalar multiplies) to a
@@ -30,6 +31,9 @@ The proof reuses the pieces of the full-attention prover (``attention.py``):
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import itertools
 import math
 import random
 
@@ -38,17 +42,34 @@ import torch
 from torch.utils._sympy.functions import FloorDiv
 
 from ..reference import hstu_mask
-from . import attention as A
 from . import attn_layout as lay
+from .attn_emit import describe_scale, emit_call, emit_scale, regroup, replace_output
+from .attn_find import (
+    SCALAR_MUL, Operand, find_operand, is_float, is_int_tensor, is_pad, meta_val, op_name, size_hint, walk_forward,
+    walk_operand, walk_sliced,
+)
+from .attn_prove import (
+    check_leaves, check_pad, fit_alpha, probe_cost, probe_inputs, probe_scale, sample_in_sequence,
+)
+from .attn_structure import (
+    Plan, check_tiles, dim_key, feature_axes, is_dead, mode_key, score_modes, score_subgraph, side_inputs,
+    through_layout, value_heads, value_modes,
+)
 from .prover import (
-    Decline, _composition, close, closure, concrete, evaluate, hints, make_targets, mask_candidates,
-    scalar_constants, silu, solve_binding, sym_expr, valid_at,
+    Decline, close, closure, compose_lengths, concrete, evaluate, hints, mask_candidates, probe_values,
+    scalar_constants, scalar_scale, silu, solve_binding, sym_expr, valid_at,
 )
 
 aten = torch.ops.aten
 
 _PROBES = 10
 _MAX_PROBE_ELEMS = 6e7
+
+
+@dataclasses.dataclass
+class DeltaPlan(Plan):
+    """A cached-attention candidate: a :class:`Plan` with the delta rows per sequence."""
+    Dd: object = None  # sympy: an integer, or a fresh symbol for ``R // B`` in dynamic graphs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,10 +79,10 @@ _MAX_PROBE_ELEMS = 6e7
 def is_candidate(S, pv) -> bool:
     """``S``'s left operand is a dense (unpadded) tensor, its right operand and ``pv``'s right
     operand are pads: the shape of cached attention."""
-    qD, _, _ = A.walk_sliced(S.args[0])
-    kD, _, _ = A.walk_sliced(S.args[1])
-    vD, _, _ = A.walk_sliced(pv.args[1])
-    return (not A.is_pad(qD)) and A._is_float(qD) and A.is_pad(kD) and A.is_pad(vD)
+    qD, _, _ = walk_sliced(S.args[0])
+    kD, _, _ = walk_sliced(S.args[1])
+    vD, _, _ = walk_sliced(pv.args[1])
+    return (not is_pad(qD)) and is_float(qD) and is_pad(kD) and is_pad(vD)
 
 
 def _delta_rows(B, R):
@@ -97,48 +118,40 @@ def _delta_rows(B, R):
 
 def prove_delta(gm, S, pv):
     """Structural and numeric proof of a cached-attention candidate; returns the plan or raises."""
-    qsrc, qops, qfactor = A.walk_operand(S.args[0])
-    k = A._operand(S.args[1], "q")
+    qsrc, qops, qfactor = walk_operand(S.args[0])
+    k = find_operand(S.args[1], "q")
     order, leaves = closure([k.D], {k.src})
-    ints = [x for x in leaves if A._is_int_tensor(x)]
-    if len(ints) != 1 or A._val(ints[0]).dim() != 1:
+    ints = [x for x in leaves if is_int_tensor(x)]
+    if len(ints) != 1 or meta_val(ints[0]).dim() != 1:
         raise Decline(f"pad of {k.src.name} does not depend on exactly one 1-D integer input (offsets)")
     offsets = ints[0]
-    B0 = sym_expr(A._val(offsets).shape[0]) - 1
-    R0 = sym_expr(A._val(qsrc).shape[0])
+    B0 = sym_expr(meta_val(offsets).shape[0]) - 1
+    R0 = sym_expr(meta_val(qsrc).shape[0])
     Dd, canon = _delta_rows(B0, R0)
-    with lay.canonical(canon) if canon is not None else _null():
+    with lay.canonical(canon) if canon is not None else contextlib.nullcontext():
         return _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0)
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0):
-    v = A._operand(pv.args[1], "v")
-    q = A.Operand(S.args[0], qsrc, qops, qfactor, qsrc, "q")
+    v = find_operand(pv.args[1], "v")
+    q = Operand(S.args[0], qsrc, qops, qfactor, qsrc, "q")
     # features as one flat logical axis per source: delta_q [R, H, Dq] and k [L, H*Dq] line up
     fq, axq = _flat_features(qsrc, "q")
     fk, _ = _flat_features(k.src, "q")
     fv, axv = _flat_features(v.src, "v")
     if fq != fk:
         raise Decline(f"delta q ({fq[0]}) and k ({fk[0]}) feature sizes differ")
-    dt = {A._val(x.src).dtype for x in (q, k, v)}
+    dt = {meta_val(x.src).dtype for x in (q, k, v)}
     if len(dt) != 1:
         raise Decline(f"delta q, k, v dtypes differ: {dt}")
-    if A._hint(A._val(k.src).shape[0]) != A._hint(A._val(v.src).shape[0]):
+    if size_hint(meta_val(k.src).shape[0]) != size_hint(meta_val(v.src).shape[0]):
         raise Decline("k and v have different numbers of jagged rows")
-    B = lay.to_expr(A._val(offsets).shape[0]) - 1
+    B = lay.to_expr(meta_val(offsets).shape[0]) - 1
 
     numel = sympy.Integer(1)
-    for s in A._val(k.D).shape:
+    for s in meta_val(k.D).shape:
         numel = numel * sym_expr(s)
-    Nexpr = sympy.cancel(numel / ((sym_expr(A._val(offsets).shape[0]) - 1) * math.prod(fk)))
+    Nexpr = sympy.cancel(numel / ((sym_expr(meta_val(offsets).shape[0]) - 1) * math.prod(fk)))
     if Nexpr.free_symbols:  # full attention proves symbolic N; the delta probes are written for a constant N
         raise Decline(f"delta attention with a symbolic max length N={Nexpr} is not supported (N must be "
                       f"static here)")
@@ -148,101 +161,66 @@ def _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0):
     if Dd.is_Integer and not 1 <= int(Dd) <= N:
         raise Decline(f"delta rows per sequence D={Dd} not in [1, N={N}]")
 
-    q.layout = A._through_layout(q.ops, lay.view(lay.source_layout([B, Dd, *fq], ["b", "d", *axq]),
-                                                 A._val(qsrc).shape))
+    q.layout = through_layout(q.ops, lay.view(lay.source_layout([B, Dd, *fq], ["b", "d", *axq]),
+                                                 meta_val(qsrc).shape))
     for x, f, axes in ((k, fk, axq), (v, fv, axv)):
         base = lay.source_layout([B, N, *f], ["b", "n", *axes])
-        x.layout = A._through_layout(x.ops, lay.view(base, A._val(x.D).shape))
+        x.layout = through_layout(x.ops, lay.view(base, meta_val(x.D).shape))
 
     QL, KL = q.layout, k.layout
     if len(QL) != 3 or len(KL) != 3:
         raise Decline("score product operands are not 3-D")
-    nkey = A._dimkey(((sympy.Integer(N), "n", sympy.Integer(1)),))
-    dkey = A._dimkey(((Dd, "d", sympy.Integer(1)),))
-    if A._dimkey(QL[1]) != dkey:
+    nkey = dim_key(((sympy.Integer(N), "n", sympy.Integer(1)),))
+    dkey = dim_key(((Dd, "d", sympy.Integer(1)),))
+    if dim_key(QL[1]) != dkey:
         raise Decline("score product rows are not the delta rows of delta_q viewed [B, D, ...]")
-    if A._dimkey(KL[2]) != nkey:
+    if dim_key(KL[2]) != nkey:
         raise Decline("score product does not pair delta rows with key rows of the padded sequences")
-    if A._dimkey(QL[2]) != A._dimkey(KL[1]) or not lay.normalize_dim(QL[2]):
+    if dim_key(QL[2]) != dim_key(KL[1]) or not lay.normalize_dim(QL[2]):
         raise Decline("score product does not contract the same q/k feature digits")
-    if A._dimkey(QL[0]) != A._dimkey(KL[0]):
+    if dim_key(QL[0]) != dim_key(KL[0]):
         raise Decline("score product batches delta q and k differently")
-    Z, head_modes, c_modes = A.score_modes(QL, KL, A._key((B, "b", sympy.Integer(1))), fq, axq)
+    Z, head_modes, c_modes = score_modes(QL, KL, mode_key((B, "b", sympy.Integer(1))), fq, axq)
 
-    plan = A.Plan(pv=pv, S=S, out=None, q=q, k=k, v=v, offsets=offsets, num_targets=None, N=N)
+    plan = DeltaPlan(pv=pv, S=S, out=None, q=q, k=k, v=v, offsets=offsets, num_targets=None, N=N, Dd=Dd)
     Y = v.layout
     plan.head_modes, plan.c_modes = head_modes, c_modes
-    plan.e_modes = A.value_modes(Y, nkey)
-    plan._Y, plan._Z, plan._B = Y, Z, B
-    plan.Dd = Dd
+    plan.e_modes = value_modes(Y, nkey)
+    plan.Y, plan.Z, plan.B = Y, Z, B
 
     # ---- score chain
     Xnode = pv.args[0]
-    s_order, s_leaves, sderived, layouts, S_layout = A.score_subgraph(plan, Xnode, rows=Dd)
+    s_order, s_leaves, sderived, layouts, S_layout = score_subgraph(plan, Xnode, rows=Dd)
     XL = layouts[Xnode]
     if len(XL) != 3:
         raise Decline("value product left operand is not 3-D")
-    if A._dimkey(XL[1]) != A._dimkey(((Dd, "i", sympy.Integer(1)),)) or \
-            A._dimkey(XL[2]) != A._dimkey(((sympy.Integer(N), "j", sympy.Integer(1)),)):
+    if dim_key(XL[1]) != dim_key(((Dd, "i", sympy.Integer(1)),)) or \
+            dim_key(XL[2]) != dim_key(((sympy.Integer(N), "j", sympy.Integer(1)),)):
         raise Decline("value product does not contract the scores over key rows")
-    XZ = lay.normalize_dim(XL[0])
-    if sorted(map(A._key, XZ)) != sorted(map(A._key, Z)) or any(m[1] is None for d in XL for m in d):
-        raise Decline("value product batch does not cover every (sequence, head) of the scores once")
-    YZ = lay.normalize_dim(Y[0])
-    if len(YZ) != len(XZ):
-        raise Decline("scores and values are batched differently (head layouts do not pair)")
-    pair = {}
-    for mx, mv in zip(XZ, YZ):
-        if mx[1] == "b":
-            if A._key(mv) != A._key(mx):
-                raise Decline("scores and values pair different sequences")
-        elif mv[1] is None or not mv[1].startswith("v") or not lay.eq(mx[0], mv[0]):
-            raise Decline("scores and values pair heads of different sizes")
-        else:
-            pair[A._key(mx)] = mv
-    plan.v_head_modes = [pair[A._key(m)] for m in head_modes]
-    A._check_tiles(plan.v_head_modes + plan.e_modes, fv, axv, "value product")
+    plan.v_head_modes = value_heads(plan, XL)
+    check_tiles(plan.v_head_modes + plan.e_modes, fv, axv, "value product")
 
     # side inputs of the score chain: num_targets [B] and attn_scale (scalar or per delta row [B*D])
-    nt, scale_leaf = None, None
-    rows_hint = A._hint(A._val(qsrc).shape[0])
-    for leaf in s_leaves:
-        if leaf is S or leaf is offsets:
-            continue
-        val = A._val(leaf)
-        if isinstance(val, torch.SymInt) or leaf.op == "get_attr":
-            continue
-        if isinstance(val, torch.Tensor) and not val.is_floating_point():
-            if val.dim() == 1 and A._hint(val.shape[0]) == A._hint(A._val(offsets).shape[0]) - 1 and nt is None \
-                    and leaf.op == "placeholder":
-                nt = leaf
-                continue
-            raise Decline(f"mask depends on input {leaf.name} of shape {tuple(val.shape)}, which is neither "
-                          f"offsets nor num_targets (data we do not model)")
-        if isinstance(val, torch.Tensor) and scale_leaf is None and (
-                val.numel() == 1 or (val.dim() == 1 and A._hint(val.shape[0]) == rows_hint)):
-            scale_leaf = leaf
-            continue
-        raise Decline(f"scores depend on tensor {leaf.name} of shape {tuple(getattr(val, 'shape', ()))} "
-                      f"(data we do not model)")
+    nt, scale_leaf = side_inputs(s_leaves, plan, size_hint(meta_val(offsets).shape[0]) - 1,
+                                 size_hint(meta_val(qsrc).shape[0]))
     plan.num_targets = nt
 
     # ---- output: pv forward through layout ops / scalar multiplies to [B*D, features]
-    out, chain, fo, out_rest, lead = _output(plan, pv, XL, Y, B, Dd)
-    plan.out, plan.out_rest, plan.out_lead = out, out_rest, lead
+    out, chain, fo, out_rest, _ = _output(plan, pv, XL, Y, B, Dd)
+    plan.out, plan.out_rest = out, out_rest
 
     # ---- extra users
     region = set(q.ops)
     for x in (k, v):
         order, _ = closure([x.D], {x.src})
-        region |= {n for n in order if A._is_float(n)}
+        region |= {n for n in order if is_float(n)}
         region |= set(x.ops)
     region |= set(sderived)
     region |= {pv, *chain}
     region.discard(out)
     for n in region:
         for u in n.users:
-            if u not in region and u is not out and u.target is not aten.sym_size.int and not A._is_dead(u):
+            if u not in region and u is not out and u.target is not aten.sym_size.int and not is_dead(u):
                 raise Decline(f"intermediate {n.name} has a user outside the attention ({u.name}); "
                               f"rewriting would keep it alive")
 
@@ -261,7 +239,7 @@ def _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0):
 
 
 def _flat_features(src, prefix):
-    sizes, _ = A._feature_axes(src, prefix)
+    sizes, _ = feature_axes(src, prefix)
     return [math.prod(sizes)], [f"{prefix}0"]
 
 
@@ -269,25 +247,25 @@ def _output(plan, pv, XL, Y, B, Dd):
     """Choose the last node of pv's single-user layout/scalar chain laid out as ``[B*D, feats]``
     (or ``[B, D, feats]`` with static ``D``). Returns ``(node, chain up to it, factor, rest modes, lead)``."""
     layout = (XL[0], ((Dd, "i", sympy.Integer(1)),), Y[2])
-    bi = tuple(A._key(m) for m in lay.normalize_dim(((B, "b", sympy.Integer(1)), (Dd, "i", sympy.Integer(1)))))
-    bkey = (A._key((B, "b", sympy.Integer(1))),)
-    ikey = A._dimkey(((Dd, "i", sympy.Integer(1)),))
-    want = sorted(A._key(m) for m in plan.head_modes + plan.e_modes)
+    bi = tuple(mode_key(m) for m in lay.normalize_dim(((B, "b", sympy.Integer(1)), (Dd, "i", sympy.Integer(1)))))
+    bkey = (mode_key((B, "b", sympy.Integer(1))),)
+    ikey = dim_key(((Dd, "i", sympy.Integer(1)),))
+    want = sorted(mode_key(m) for m in plan.head_modes + plan.e_modes)
     cur, chain, factor, best = pv, [], 1.0, None
     while True:
-        first = tuple(map(A._key, lay.normalize_dim(layout[0]))) if layout else ()
+        first = tuple(map(mode_key, lay.normalize_dim(layout[0]))) if layout else ()
         lead = None
         if first == bi:
             lead = 1
-        elif first == bkey and len(layout) >= 2 and A._dimkey(layout[1]) == ikey and Dd.is_Integer:
+        elif first == bkey and len(layout) >= 2 and dim_key(layout[1]) == ikey and Dd.is_Integer:
             lead = 2
         if lead is not None:
             rest = [m for d in layout[lead:] for m in lay.normalize_dim(d)]
-            shape = A._val(cur).shape
-            if sorted(map(A._key, rest)) == want and not any(m[1] is None for m in rest) and all(
+            shape = meta_val(cur).shape
+            if sorted(map(mode_key, rest)) == want and not any(m[1] is None for m in rest) and all(
                     lay.to_expr(s).is_Integer for s in shape[lead:]):
                 best = (cur, list(chain), factor, rest, lead)
-        _, step, _ = A.walk_forward(cur)
+        _, step, _ = walk_forward(cur)
         if not step:
             break
         nxt = step[0]
@@ -296,7 +274,7 @@ def _output(plan, pv, XL, Y, B, Dd):
         else:  # scalar multiply / divide
             a0, a1 = nxt.args
             c = a1 if a0 is cur else a0
-            factor = factor * c if nxt.target in A._SCALAR_MUL else factor / c
+            factor = factor * c if nxt.target in SCALAR_MUL else factor / c
         chain.append(nxt)
         cur = nxt
     if best is None:
@@ -318,7 +296,7 @@ def _may_need_grad(nodes) -> bool:
         if "requires_grad" in n.meta:
             known.append(bool(n.meta["requires_grad"]))
             continue
-        val = A._val(n)
+        val = meta_val(n)
         if isinstance(val, torch.Tensor) and val.requires_grad:
             return True
         known.append(None)
@@ -352,7 +330,7 @@ def delta_probes(N, B, Dd, L, count, seed=0):
             extra = L - b * d
             if extra < 0 or extra > b * (N - d):
                 raise Decline(f"static sizes L={L}, B={b}, D={d}, N={N} admit no lengths in [D, N]")
-            lengths = [d + r for r in _composition(extra, b, N - d, rng, [e - d for e in edges])]
+            lengths = [d + r for r in compose_lengths(extra, b, N - d, rng, [e - d for e in edges])]
         probes.append((d, lengths))
     return probes
 
@@ -375,16 +353,16 @@ def _probe_sizes(N, B, Dd, L, b_pref, d_pref):
 def _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, fo):
     N = plan.N
     k, v = plan.k, plan.v
-    Bexpr = sym_expr(A._val(plan.offsets).shape[0]) - 1
+    Bexpr = sym_expr(meta_val(plan.offsets).shape[0]) - 1
     Dd = plan.Dd
-    base = hints(A._val(qsrc), A._val(k.src), A._val(plan.offsets), A._val(plan.S))
-    L0 = sym_expr(A._val(k.src).shape[0])
+    base = hints(meta_val(qsrc), meta_val(k.src), meta_val(plan.offsets), meta_val(plan.S))
+    L0 = sym_expr(meta_val(k.src).shape[0])
     pads = []
     for x in (k, v):
         order, leaves = closure([x.D], {x.src})
-        A._check_leaves(leaves, {x.src, plan.offsets}, f"pad of {x.src.name}")
+        check_leaves(leaves, {x.src, plan.offsets}, f"pad of {x.src.name}")
         pads.append((x, order))
-    sym_leaves = [n for n in gm.graph.nodes if isinstance(A._val(n), torch.SymInt)
+    sym_leaves = [n for n in gm.graph.nodes if isinstance(meta_val(n), torch.SymInt)
                   and (n.op == "placeholder" or n.target is aten.sym_size.int)]
 
     probes = delta_probes(N, int(Bexpr) if Bexpr.is_Integer else None, int(Dd) if Dd.is_Integer else None,
@@ -397,51 +375,32 @@ def _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, f
     chosen = None
     for p, (Dp, lengths) in enumerate(probes):
         Bp, Lp = len(lengths), sum(lengths)
-        pairs = [(sym_expr(A._val(plan.offsets).shape[0]), Bp + 1), (R0, Bp * Dp)]
-        pairs += [(sym_expr(A._val(x.src).shape[0]), Lp) for x in (k, v)]
-        if scale_leaf is not None and A._val(scale_leaf).dim() == 1 and A._val(scale_leaf).numel() != 1:
-            pairs.append((sym_expr(A._val(scale_leaf).shape[0]), Bp * Dp))
+        pairs = [(sym_expr(meta_val(plan.offsets).shape[0]), Bp + 1), (R0, Bp * Dp)]
+        pairs += [(sym_expr(meta_val(x.src).shape[0]), Lp) for x in (k, v)]
+        if scale_leaf is not None and meta_val(scale_leaf).dim() == 1 and meta_val(scale_leaf).numel() != 1:
+            pairs.append((sym_expr(meta_val(scale_leaf).shape[0]), Bp * Dp))
         if plan.num_targets is not None:
-            pairs.append((sym_expr(A._val(plan.num_targets).shape[0]), Bp))
+            pairs.append((sym_expr(meta_val(plan.num_targets).shape[0]), Bp))
         binding = solve_binding(pairs, base)
         if not Dd.is_Integer:
             binding[Dd] = Dp
-        off = torch.tensor([0] + list(A.itertools_accumulate(lengths)), dtype=A._val(plan.offsets).dtype)
+        off = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=meta_val(plan.offsets).dtype)
         lens = torch.tensor(lengths, dtype=torch.int64)
-        env0 = {plan.offsets: off}
-        for s in sym_leaves:
-            try:
-                env0[s] = concrete(A._val(s), binding)
-            except Decline:
-                pass
-        targets = None
-        if plan.num_targets is not None:
-            targets = torch.tensor(make_targets(lengths, rng, p), dtype=A._val(plan.num_targets).dtype)
-            env0[plan.num_targets] = targets
-        cost = 0
-        for n in [*s_order, *(n for _, order in pads for n in order)]:
-            val = A._val(n)
-            if isinstance(val, torch.Tensor):
-                cost += math.prod(concrete(s, binding) for s in val.shape)
+        env0, targets = probe_inputs(plan, off, sym_leaves, binding, lengths, rng, p)
+        cost = probe_cost([*s_order, *(n for _, order in pads for n in order)], binding)
         if cost > _MAX_PROBE_ELEMS:
             raise Decline(f"too large to prove numerically at these static sizes ({cost:.2g} elements per probe)")
 
         for x, order in pads:
-            shape = [concrete(s, binding) for s in A._val(x.src).shape]
-            src = A._rand(shape, gen)
-            env = evaluate(gm, order, {**env0, x.src: src})
-            got = env[x.D]
-            ref = A.reference_pad(src, off, N)
-            if got.numel() != ref.numel() or not torch.equal(got.reshape(-1).to(torch.float64), ref.reshape(-1)):
-                raise Decline(f"pad of {x.src.name} is not jagged_to_padded(offsets, N={N}) with zero padding")
+            check_pad(gm, x, order, env0, binding, off, N, gen)
 
         Sc = lay.concretize(S_layout, binding)
-        Sshape = [concrete(s, binding) for s in A._val(plan.S).shape]
+        Sshape = [concrete(s, binding) for s in meta_val(plan.S).shape]
         crdS = lay.coords(Sc, Sshape)
-        S_probe = A._rand(Sshape, gen) * (crdS["j"] < lens[crdS["b"]])
+        S_probe = probe_values(Sshape, gen) * (crdS["j"] < lens[crdS["b"]])
         env = dict(env0)
         env[plan.S] = S_probe
-        scale_probe = A.probe_scale(scale_leaf, binding, gen, env)
+        scale_probe = probe_scale(scale_leaf, binding, gen, env)
         env = evaluate(gm, s_order, env)
         X = env[plan.pv.args[0]]
         crd = lay.coords(lay.concretize(layouts[plan.pv.args[0]], binding), list(X.shape))
@@ -450,7 +409,7 @@ def _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, f
         S_at = lay.gather(S_probe, Sc, crd).expand(X.shape)
         if not bool(torch.isfinite(X).all()):
             raise Decline("scores are not finite on padding positions (e.g. -inf masking)")
-        s_at = A.scalar_scale(scale_probe)
+        s_at = scalar_scale(scale_probe)
         if s_at is None:
             s_at = scale_probe.reshape(Bp, Dp)[bb, ii].expand(X.shape)
         qpos = lens[:, None] - Dp + torch.arange(Dp)[None, :]  # [B, D]: raw positions of the delta rows
@@ -478,7 +437,7 @@ def _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, f
 def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, qpos, targets, N, alphas, mask_ints, has_targets):
     """``(alpha, c0, params)`` with X == mask_delta * c0 * s * silu(alpha S) on in-sequence keys."""
     obs = (X != 0) & in_seq
-    flat_idx, (b_s, d_s, j_s) = A.sample_in_sequence(X, in_seq, bb, ii, jj)
+    flat_idx, (b_s, d_s, j_s) = sample_in_sequence(X, in_seq, bb, ii, jj)
     i_s = qpos[b_s, d_s]
     o_s = obs.reshape(-1)[flat_idx]
     params = None
@@ -495,7 +454,7 @@ def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, qpos, targets, N, alphas, mask
         raise Decline("delta attention mask is not rows n_b-D..n_b-1 of a causal HSTU mask for any "
                       "(max_attn_len, contextual_seq_len) taken from the graph's constants "
                       "(queries not the last D rows of each sequence?)")
-    a, c0 = A.fit_alpha(X, S_at, s_at, obs, alphas)
+    a, c0 = fit_alpha(X, S_at, s_at, obs, alphas)
     return a, c0, params
 
 
@@ -506,30 +465,30 @@ def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, qpos, targets, N, alphas, mask
 def rewrite_delta(gm, plan):
     graph = gm.graph
     q, k, v = plan.q, plan.k, plan.v
-    fq = [math.prod(int(s) for s in A._val(q.src).shape[1:])]  # flat feature axes (see _prove)
-    fv = [math.prod(int(s) for s in A._val(v.src).shape[1:])]
+    fq = [math.prod(int(s) for s in meta_val(q.src).shape[1:])]  # flat feature axes (see _prove)
+    fv = [math.prod(int(s) for s in meta_val(v.src).shape[1:])]
     with graph.inserting_before(plan.out):
-        q3 = A._regroup(graph, q.src, fq, "q", [plan.head_modes, plan.c_modes])
-        k3 = A._regroup(graph, k.src, fq, "q", [plan.head_modes, plan.c_modes])
-        v3 = A._regroup(graph, v.src, fv, "v", [plan.v_head_modes, plan.e_modes])
-        dtype = A._val(q.src).dtype
-        scale = A.emit_scale(graph, plan, dtype, A._val(q.src).device)
+        q3 = regroup(graph, q.src, fq, "q", [plan.head_modes, plan.c_modes])
+        k3 = regroup(graph, k.src, fq, "q", [plan.head_modes, plan.c_modes])
+        v3 = regroup(graph, v.src, fv, "v", [plan.v_head_modes, plan.e_modes])
+        dtype = meta_val(q.src).dtype
+        scale = emit_scale(graph, plan, dtype, meta_val(q.src).device)
         _, w, c, _ = plan.params
-        y = A._emit(graph, torch.ops.hstu.delta_attention.default,
+        y = emit_call(graph, torch.ops.hstu.delta_attention.default,
                     [q3, k3, v3, plan.offsets, plan.N, plan.alpha, plan.num_targets, scale, w, c])
-        A.replace_output(graph, plan, y, dtype)
+        replace_output(graph, plan, y, dtype)
 
 
 def describe_delta(plan) -> str:
     _, w, c, _ = plan.params
     parts = [f"N={plan.N}", f"D={plan.Dd}" if plan.Dd.is_Integer else "D=R//B (dynamic)", f"alpha={plan.alpha:g}",
              f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
-    parts.append(A.describe_scale(plan))
+    parts.append(describe_scale(plan))
     if plan.num_targets is not None:
         parts.append(f"num_targets={plan.num_targets.name}")
     if w:
         parts.append(f"max_attn_len={w}")
     if c:
         parts.append(f"contextual_seq_len={c}")
-    pads = sorted({A._name(x.D) for x in (plan.k, plan.v)})
+    pads = sorted({op_name(x.D) for x in (plan.k, plan.v)})
     return f"delta (cached) silu attention ({', '.join(parts)}; k/v pad via {'/'.join(pads)}, dense delta_q)"

@@ -180,11 +180,12 @@ def _sizes_of(node) -> list:
     return [to_expr(s) for s in val.shape]
 
 
-def _arg_value(a):
+def arg_value(a):
+    """A node argument with nodes replaced by their traced values (through lists / tuples)."""
     if isinstance(a, torch.fx.Node):
         return a.meta.get("val")
     if isinstance(a, (list, tuple)):
-        return type(a)(_arg_value(x) for x in a)
+        return type(a)(arg_value(x) for x in a)
     return a
 
 
@@ -217,7 +218,7 @@ def is_layout_node(node) -> bool:
 def apply(node, layout, check_only=False):
     """Layout of ``node``'s output given the layout of its first argument."""
     t = node.target
-    args = [_arg_value(a) for a in node.args]
+    args = [arg_value(a) for a in node.args]
     if t is aten.slice.Tensor:  # only the identity slice
         src = node.args[0].meta.get("val")
         dim = args[1] if len(args) > 1 else 0

@@ -1,6 +1,6 @@
 """Size-independent proofs: prove a graph with large static sizes on small instances of itself.
 
-The numeric proof of attention (``attention._numeric_proof``) runs the user's score chain on
+The numeric proof of attention (``attn_prove.numeric_proof``) runs the user's score chain on
 probes of ``B * H * N * N`` elements. With static production sizes (``B=128, N=4096``) that is
 out of reach, so such candidates raise :class:`TooLarge` carrying their static sizes. This
 module then *generalises* the whole ATen graph:
@@ -31,7 +31,7 @@ same argument that proves dynamic graphs. A literal that only equals an atom by 
 keeps the proof from going through (e.g. a window of 128 with B=128 is not constant across
 probe B values: the choice is revised or the candidate declined) or is harmless (equal at the
 real sizes by construction). Constants left in the score chain are probed above their value
-(``attention.probe_ns``), so a window of ``N - 5`` spelled as a literal is not mistaken for
+(``attn_prove.probe_ns``), so a window of ``N - 5`` spelled as a literal is not mistaken for
 "no window".
 """
 from __future__ import annotations

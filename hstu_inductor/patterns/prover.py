@@ -1,7 +1,7 @@
 """Numerical prover for pattern candidates: evaluate extracted subgraphs on fresh probe inputs.
 
-The attention rewriter (``attention.py``) splits a candidate into pieces whose meaning is fixed
-by the jagged semantics (pad, score function, unpad) and checks each piece here by running the
+The attention rewriter splits a candidate into pieces whose meaning is fixed by the jagged
+semantics (pad, score function, unpad); ``attn_prove`` checks each piece with these tools by running the
 *user's own ATen nodes* on random probe inputs and comparing with the semantic reference
 (``hstu_inductor.reference``). Pieces:
 
@@ -9,7 +9,8 @@ by the jagged semantics (pad, score function, unpad) and checks each piece here 
   executed eagerly (floating dtypes promoted to float64, every device mapped to CPU, SymInts
   bound to the probe's sizes).
 * :func:`make_probes`: random jagged lengths in ``[0, N]`` (including 0, 1 and N), random
-  ``num_targets`` in ``[0, n_b]``; sizes fixed where the graph is static, small where symbolic.
+  ``num_targets`` in ``[0, n_b]``; sizes fixed where the graph is static, small where symbolic;
+  :func:`probe_values`: random values exact in float32 and never 0.
 * :func:`mask_candidates` / :func:`valid_at`: the candidate mask parameters, filtered cheaply,
   confirmed on the full reference mask (``reference.hstu_mask``).
 """
@@ -205,7 +206,7 @@ def is_static(x) -> bool:
 # Probes
 
 
-def _composition(total: int, bins: int, cap: int, rng: random.Random, want: list) -> list:
+def compose_lengths(total: int, bins: int, cap: int, rng: random.Random, want: list) -> list:
     """Random lengths in [0, cap] summing to ``total``; tries to include the values in ``want``."""
     lengths = [0] * bins
     order = list(range(bins))
@@ -250,7 +251,7 @@ def make_probes(N: int, B: Optional[int], L: Optional[int], count: int, seed: in
         else:
             if L > b * N:
                 raise Decline(f"L={L} > B*N={b * N}")
-            lengths = _composition(L, b, N, rng, want)
+            lengths = compose_lengths(L, b, N, rng, want)
         probes.append(lengths)
     return probes
 
@@ -261,6 +262,22 @@ def make_targets(lengths: list, rng: random.Random, p: int) -> list:
         pick = (p + i) % 4
         out.append([0, n, min(1, n), rng.randint(0, n)][pick])
     return out
+
+
+def probe_values(shape, gen):
+    """Random float64 probe values that are exact in float32 (ops without float64 kernels run in
+    float32 on them, exactly for data movement). Never exactly 0: CPU float32 randn yields exact
+    zeros (in pairs) about once per few million values, and a zero score hides the mask there
+    (silu(0) = 0), which made the mask fit fail at N >= 512."""
+    r = torch.randn(shape, generator=gen, dtype=torch.float32)
+    return r.masked_fill_(r == 0, 1.0).to(torch.float64)
+
+
+def scalar_scale(scale_probe):
+    """``s_i`` when it is the same for every row (1 without a scale tensor), else None."""
+    if scale_probe is None:
+        return torch.ones((), dtype=torch.float64)
+    return scale_probe.reshape(()) if scale_probe.numel() == 1 else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,395 @@
+"""Attention, stage 3 (prove): what the structurally checked pieces compute, on random probes.
+
+The user's own nodes are run eagerly (``prover.evaluate``: float64, CPU, sizes bound to each probe)
+on random jagged probes (lengths in ``[0, N]`` including 0, 1 and N; random ``num_targets``):
+
+* each pad subgraph must equal ``reference.jagged_to_padded`` with zero padding;
+* the score chain ``S -> X`` (mask built from offsets / num_targets, scale) must equal
+  ``mask * c * s * silu(alpha * S)`` for ``alpha`` and the mask parameters taken from the graph's
+  constants (:func:`_fit`), then checked on every probe;
+* the unpad must read row ``(b, n)`` of the dense output for every jagged row, and each row scale
+  must be ``c * s_row ** power`` (``attn_rowscale.check_row_scale``).
+
+With a symbolic ``N`` the probes span several N (:func:`probe_ns`) and the scale must be a constant
+or proportional to ``1/N`` (:func:`n_law`). Static sizes too large to probe raise
+``generalize.TooLarge``: the candidate is then proven on a generalised copy of the graph.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import sympy
+import torch
+
+from . import attn_layout as lay
+from .attn_find import find_operand, jagged_descriptor, looks_like_lengths, meta_val
+from .attn_rowscale import check_row_scale
+from .attn_structure import Plan, Subgraphs, structure
+from .generalize import TooLarge
+from .prover import (
+    Decline, close, closure, concrete, evaluate, hints, make_probes, make_targets, mask_candidates, probe_values,
+    reference_mask, reference_pad, scalar_constants, scalar_scale, silu, solve_binding, sym_expr, valid_at,
+)
+
+aten = torch.ops.aten
+
+
+def check_leaves(leaves, allowed, what):
+    """Decline unless the subgraph ``what`` reads only ``allowed`` inputs (plus constants and sizes)."""
+    for leaf in leaves:
+        if leaf in allowed or leaf.op == "get_attr" or isinstance(meta_val(leaf), torch.SymInt):
+            continue
+        raise Decline(f"{what} depends on input {leaf.name} (data we do not model)")
+
+
+def probe_scale(scale_leaf, binding, gen, env):
+    """A fresh positive ``attn_scale`` probe bound to ``scale_leaf`` in ``env`` (None if no scale).
+    Exact in float32 like ``probe_values``: a scale padded by an op without float64 kernels (fbgemm's
+    ``jagged_to_padded_dense``, run in float32 by the evaluator) must come back unchanged."""
+    if scale_leaf is None:
+        return None
+    shape = [concrete(s, binding) for s in meta_val(scale_leaf).shape]
+    env[scale_leaf] = (torch.rand(shape, generator=gen, dtype=torch.float32) + 0.5).to(torch.float64)
+    return env[scale_leaf]
+
+
+def probe_cost(nodes, binding) -> int:
+    """Elements the tensors of ``nodes`` hold at the probe sizes ``binding``."""
+    cost = 0
+    for n in nodes:
+        val = meta_val(n)
+        if isinstance(val, torch.Tensor):
+            cost += math.prod(concrete(s, binding) for s in val.shape)
+    return cost
+
+
+def check_pad(gm, x, order, env0, binding, off, N, gen) -> None:
+    """One probe of the pad subgraph ``order`` of operand ``x``: on random source values it must
+    equal ``reference.jagged_to_padded(offsets, N)`` with zero padding."""
+    shape = [concrete(s, binding) for s in meta_val(x.src).shape]
+    src = probe_values(shape, gen)
+    env = evaluate(gm, order, {**env0, x.src: src})
+    got = env[x.D]
+    ref = reference_pad(src, off, N)
+    if got.numel() != ref.numel() or not torch.equal(got.reshape(-1).to(torch.float64), ref.reshape(-1)):
+        raise Decline(f"pad of {x.src.name} is not jagged_to_padded(offsets, N={N}) with zero padding")
+
+
+def probe_inputs(plan, descriptor, sym_leaves, binding, lengths, rng, p) -> tuple:
+    """``(env, num_targets probe)``: the probe's jagged descriptor, the size inputs ``binding``
+    fixes, and random num_targets for ``lengths`` when the candidate reads them (else None)."""
+    env0 = {plan.offsets: descriptor}
+    for s in sym_leaves:
+        try:
+            env0[s] = concrete(meta_val(s), binding)
+        except Decline:
+            pass
+    targets = None
+    if plan.num_targets is not None:
+        targets = torch.tensor(make_targets(lengths, rng, p), dtype=meta_val(plan.num_targets).dtype)
+        env0[plan.num_targets] = targets
+    return env0, targets
+
+
+def descriptor_probe(plan, off, lens):
+    """The probe value of the jagged descriptor input (offsets or lengths, in its dtype)."""
+    return (lens if plan.lengths else off).to(meta_val(plan.offsets).dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The proof
+
+
+_MAX_PROBE_ELEMS = 2e7   # per probe, summed over the evaluated nodes (float64: <= 160 MB); above it
+#                          the candidate is proven on a generalised copy of the graph (generalize.py)
+_PROBES = 10
+_SYM_PROBES_PER_N = 5  # symbolic N: per probe value of N (edge lengths 0, 1, N-1, N and one random)
+
+
+def prove(gm, S, pv) -> Plan:
+    """Prove the candidate reading its jagged integer input as offsets, then as lengths (or the
+    other way round when the graph sums it); the first full proof wins. Both readings are proven
+    from scratch, so trying two cannot make a wrong graph pass. The reason reported is the one of
+    the more plausible reading."""
+    first = looks_like_lengths(jagged_descriptor(find_operand(S.args[0], "q")))
+    reason = None
+    for lengths in (first, not first):
+        try:
+            plan, sub = structure(S, pv, lengths)
+            numeric_proof(gm, plan, sub)
+            return plan
+        except (Decline, lay.LayoutError) as e:
+            reason = reason or e
+    raise reason
+
+
+def numeric_proof(gm, plan: Plan, sub: Subgraphs) -> None:
+    """Run the candidate's pads, score chain, unpad and row scales on fresh random probes (float64,
+    real tensors) and compare with the reference; on success fill in the plan's constants (alpha,
+    mask parameters, scale). Raises Decline (TooLarge above ``_MAX_PROBE_ELEMS`` per probe)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # probes are small: thread start-up costs more than it saves
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            _probe_all(gm, plan, sub)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
+    s_order, layouts, S_layout, scale_leaf = sub.s_order, sub.layouts, sub.S_layout, sub.scale_leaf
+    Odense, u_order, rest_shape, fo = sub.Odense, sub.u_order, sub.rest_shape, sub.fo
+    chain_scale, pre, post = sub.chain_scale, sub.pre, sub.post
+    N, B = plan.N, plan.B
+    q, k, v = plan.q, plan.k, plan.v
+    Lq = sym_expr(meta_val(q.src).shape[0])
+    base = hints(meta_val(q.src), meta_val(plan.offsets), meta_val(plan.S))
+    B_static = B.free_symbols == set()
+    L_static = any(sym_expr(meta_val(x.src).shape[0]).free_symbols == set() for x in (q, k, v))
+    Lq = next((sym_expr(meta_val(x.src).shape[0]) for x in (q, k, v)
+               if sym_expr(meta_val(x.src).shape[0]).free_symbols == set()), Lq)
+    pads = []
+    for x in (q, k, v):
+        if any(x.D is y.D for y, _ in pads):  # one padded tensor sliced into several operands
+            continue
+        order, leaves = closure([x.D], {x.src})
+        check_leaves(leaves, {x.src, plan.offsets}, f"pad of {x.src.name}")
+        pads.append((x, order))
+    check_leaves(sub.u_leaves, {Odense, plan.offsets}, "unpad")
+    sides = {m.node: closure([m.factor], set())[0] for m in [*pre.values(), *post.values()]}
+    post_ok = len(post)  # row scales after the unpad that passed every probe so far
+    sym_leaves = [n for n in gm.graph.nodes if isinstance(meta_val(n), torch.SymInt)
+                  and (n.op == "placeholder" or n.target is aten.sym_size.int)]
+
+    sym_n = not isinstance(N, int)
+    Bs, Ls = int(B) if B_static else None, int(Lq) if L_static else None
+    floats, ints = scalar_constants(s_order)
+    if sym_n:
+        side_floats, side_ints = scalar_constants([n for order in sides.values() for n in order])
+        Ns = probe_ns(plan, base, floats | side_floats, ints | side_ints, Bs, Ls)
+        probes = []
+        for idx, Nv in enumerate(Ns):
+            sets = make_probes(Nv, Bs, Ls, _SYM_PROBES_PER_N, seed=1234 + idx)
+            if Ls is None:  # one probe per N without a sequence of length N: the scale is fitted per
+                sets[2] = [min(n, Nv - 1) for n in sets[2]]  # probe, so 1/max(lengths) must not look like 1/N
+            probes += [(Nv, lengths) for lengths in sets]
+    else:
+        probes = [(N, lengths) for lengths in make_probes(N, Bs, Ls, _PROBES, seed=1234)]
+    rng = random.Random(99)
+    gen = torch.Generator().manual_seed(4321)
+    alphas = sorted({1.0} | {c for c in floats if c != 0} | {1.0 / c for c in floats if c != 0})
+    mask_ints = {i for i in ints if 0 < i <= max(Nv for Nv, _ in probes) + 1}
+    chosen = None
+    consts = []  # symbolic N: (N, fitted score constant, binding) per probe
+    for p, (Np, lengths) in enumerate(probes):
+        Bp, Lp = len(lengths), sum(lengths)
+        pairs = [(sym_expr(meta_val(plan.offsets).shape[0]), Bp + (0 if plan.lengths else 1))]
+        pairs += [(sym_expr(meta_val(x.src).shape[0]), Lp) for x in (q, k, v)]
+        if scale_leaf is not None and meta_val(scale_leaf).dim() == 1 and meta_val(scale_leaf).numel() != 1:
+            pairs.append((sym_expr(meta_val(scale_leaf).shape[0]), Lp))
+        if plan.num_targets is not None:
+            pairs.append((sym_expr(meta_val(plan.num_targets).shape[0]), Bp))
+        if sym_n:
+            shared = N.free_symbols & set().union(*(sym_expr(e).free_symbols for e, _ in pairs))
+            if shared:
+                raise Decline(f"symbolic N={N} shares a symbol with the sizes of the jagged inputs "
+                              f"(the probes cannot vary N alone)")
+            pairs.append((N, Np))
+        binding = solve_binding(pairs, base)
+        off = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=meta_val(plan.offsets).dtype)
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        env0, targets = probe_inputs(plan, descriptor_probe(plan, off, lens), sym_leaves, binding, lengths, rng, p)
+        cost = probe_cost([*s_order, *u_order, *(n for _, order in pads for n in order)], binding)
+        if cost > _MAX_PROBE_ELEMS and sym_n:
+            raise Decline(f"too large to prove numerically at N={Np} ({cost:.2g} elements per probe; "
+                          f"symbolic N is probed above every integer constant of the score subgraph)")
+        if cost > _MAX_PROBE_ELEMS:  # proven on small instances of the same graph instead (generalize.py)
+            raise TooLarge(f"too large to prove numerically at these static sizes ({cost:.2g} elements per probe)",
+                           plan=plan, last=list(post)[-1] if post else plan.out, B=Bs, N=N if isinstance(N, int) else None, L=Ls,
+                           descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
+                           lengths=plan.lengths)
+
+        # pads
+        for x, order in pads:
+            check_pad(gm, x, order, env0, binding, off, Np, gen)
+
+        # scores -> X
+        Sc = lay.concretize(S_layout, binding)
+        Sshape = [concrete(s, binding) for s in meta_val(plan.S).shape]
+        crdS = lay.coords(Sc, Sshape)
+        in_seq_S = (crdS["i"] < lens[crdS["b"]]) & (crdS["j"] < lens[crdS["b"]])
+        S_probe = probe_values(Sshape, gen) * in_seq_S
+        scale_probe = probe_scale(scale_leaf, binding, gen, env0)
+        env = dict(env0)
+        env[plan.S] = S_probe
+        env = evaluate(gm, s_order, env)
+        X = env[plan.pv.args[0]]
+        XLc = lay.concretize(layouts[plan.pv.args[0]], binding)
+        crd = lay.coords(XLc, list(X.shape))
+        bb, ii, jj = crd["b"], crd["i"], crd["j"]
+        n_b = lens[bb]
+        in_seq = ((ii < n_b) & (jj < n_b)).expand(X.shape)
+        S_at = lay.gather(S_probe, Sc, crd).expand(X.shape)
+        if not bool(torch.isfinite(X).all()):
+            raise Decline("scores are not finite on padding positions (e.g. -inf masking)")
+        s_at = scalar_scale(scale_probe if chain_scale else None)
+        if s_at is None:
+            s_at = lay.gather(reference_pad(scale_probe, off, Np), (((Bp, "b", 1),), ((Np, "i", 1),)),
+                              crd).expand(X.shape)
+        if chosen is None:
+            chosen = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
+                          plan.num_targets is not None)
+        alpha, c0, params = chosen
+        if sym_n:  # the constant may scale with N (1/N): fitted per probe, its N-law checked below
+            try:
+                _, c0 = fit_alpha(X, S_at, s_at, (X != 0) & in_seq, [alpha])
+            except Decline:
+                raise Decline(f"scores at N={Np} are not c * silu(alpha * qk) with the alpha={alpha:g} found at "
+                              f"N={probes[0][0]} (alpha depends on N?)") from None
+            consts.append((Np, c0, binding))
+        mref = reference_mask(lens, Np, targets, params)[bb, ii, jj].expand(X.shape)
+        expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
+        if not close(torch.where(in_seq, X, 0.0), torch.where(in_seq, expect, 0.0)):
+            raise Decline(f"scores differ from mask * scale * silu(alpha * qk) on probe {p} (lengths {lengths})")
+        if plan.dense and bool(((X != 0) & (ii >= n_b) & (jj < n_b)).any()):
+            raise Decline(f"attention output is used padded (no unpad) but its padding rows are not zero "
+                          f"(probe {p})")
+
+        # unpad (none in dense mode)
+        Oshape = [concrete(s, binding) for s in meta_val(Odense).shape]
+        O_probe = probe_values(Oshape, gen)
+        if not plan.dense:
+            env = evaluate(gm, u_order, {**env0, Odense: O_probe})
+            got = env[plan.out]
+            rest = [concrete(s, binding) for s in rest_shape]
+            flat = O_probe.reshape(Bp * Np, *rest)
+            seq = torch.repeat_interleave(torch.arange(Bp), lens)
+            pos = torch.arange(Lp) - off[:-1].to(torch.int64)[seq]
+            if not (got.shape == (Lp, *rest) and torch.equal(got.to(torch.float64), flat[seq * Np + pos])):
+                raise Decline("unpad does not read row (b, n) of the dense output for every jagged row")
+
+        # row scales: factor == c * s_row ** power on every row the unpad reads
+        for idx, m in enumerate([*pre.values(), *post.values()]):
+            if m.node in post and list(post).index(m.node) >= post_ok:
+                continue
+            try:
+                check_row_scale(gm, m, sides[m.node], env0, binding, scale_probe, off, lens, Np, p, plan.dense)
+            except Decline:
+                if m.node not in post:
+                    raise
+                post_ok = list(post).index(m.node)  # leave it (and what follows) to the user
+
+    alpha, c0, params = chosen
+    plan.alpha = float(alpha * q.factor * k.factor)
+    plan.params = params
+    kept = [*pre.values(), *list(post.values())[:post_ok]]
+    if post_ok:
+        plan.out = kept[-1].node
+    if not chain_scale and not any(m.power for m in kept):
+        scale_leaf = None
+    if sym_n:
+        factor, plan.scale_per_n = n_law(consts, v.factor * fo * math.prod(m.c for m in kept))
+        if scale_leaf is None:
+            plan.scale = None if plan.scale_per_n and abs(factor - 1.0) <= 1e-9 else factor
+            plan.scale_per_n = plan.scale_per_n and plan.scale is not None
+        else:
+            plan.scale_node, plan.scale_factor = scale_leaf, factor
+        return
+    factor = c0 * v.factor * fo * math.prod(m.c for m in kept)
+    if scale_leaf is None:
+        plan.scale = None if abs(factor * N - 1.0) <= 1e-9 else float(factor)
+    else:
+        plan.scale_node, plan.scale_factor = scale_leaf, float(factor)
+
+
+def probe_ns(plan, base, floats, ints, B, L) -> list:
+    """Probe values of a symbolic ``N``, largest first (the mask and alpha are fitted there): the
+    compile-time hint when small; 2 (the smallest N of a dynamic graph: catches a scale or mask
+    clamped for small N), 5 and 12; and one above every integer constant of the score subgraph,
+    so that a constant window / contextual length / threshold acts inside some probe (below it,
+    it would look like "no window" at every probe N). Static ``B`` and ``L`` need ``B*N >= L``."""
+    consts = [abs(i) for i in ints] + [abs(f) for f in floats if float(f).is_integer()]
+    big = int(max(consts, default=0))
+    nmin = -(-L // B) if L is not None and B is not None else 2
+    # 2 * big + 2: a window w acts only on id distances, and a contextual prefix c (or targets)
+    # shortens those by up to c: the largest probe must exceed w + c for the window to show
+    ns = {2, 5, 12, 2 * big + 2}
+    hint = concrete(plan.N, base)
+    if 2 <= hint <= 64:
+        ns.add(hint)
+    ns = {max(n, nmin) for n in ns}
+    while len(ns) < 3:
+        ns.add(max(ns) + 3)
+    return sorted(ns, reverse=True)
+
+
+def n_law(consts, rest) -> tuple:
+    """``(k, per_n)``: the total scale (score constant per probe times ``rest``, the value/output
+    factors, which may hold N) is the constant ``k`` at every probe N, or ``k / N`` at every one.
+    Probes span at least two N values, so the two laws cannot both hold."""
+    totals = []
+    for Nv, c, binding in consts:
+        r = sympy.sympify(rest).subs(binding)
+        if not r.is_number:
+            raise Decline(f"output scale {rest} depends on sizes other than N")
+        totals.append((Nv, c * float(r)))
+    if len({Nv for Nv, _ in totals}) < 2:
+        raise Decline("symbolic N was probed at a single value")
+    N0, t0 = totals[0]
+    if all(math.isclose(t, t0, rel_tol=1e-9) for _, t in totals):
+        return float(t0), False
+    if all(math.isclose(t * Nv, t0 * N0, rel_tol=1e-9) for Nv, t in totals):
+        return float(t0 * N0), True
+    raise Decline("attention scale is neither a constant nor proportional to 1/N across probe values of N "
+                  f"({', '.join(f'N={Nv}: {t:.6g}' for Nv, t in totals[::max(1, len(totals) // 4)])})")
+
+
+def sample_in_sequence(X, in_seq, *coords, limit=200000):
+    """Flat indices of (at most ``limit``, fixed-seed random) in-sequence probe positions of ``X``
+    and each coordinate tensor gathered there."""
+    flat_idx = torch.nonzero(in_seq.reshape(-1)).reshape(-1)
+    if flat_idx.numel() == 0:
+        raise Decline("probe has no in-sequence positions")
+    if flat_idx.numel() > limit:
+        flat_idx = flat_idx[torch.randperm(flat_idx.numel(), generator=torch.Generator().manual_seed(0))[:limit]]
+    return flat_idx, [t.expand(X.shape).reshape(-1)[flat_idx] for t in coords]
+
+
+def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, N, alphas, mask_ints, has_targets):
+    """Find (alpha, c0, mask params) with X == mask * c0 * s * silu(alpha S) on in-sequence positions."""
+    obs = (X != 0) & in_seq
+    # mask parameters: cheap filter on a sample, then the full reference mask
+    flat_idx, (b_s, i_s, j_s) = sample_in_sequence(X, in_seq, bb, ii, jj)
+    o_s = obs.reshape(-1)[flat_idx]
+    params = None
+    for cand in mask_candidates(mask_ints, N, has_targets):
+        causal, w, c, f = cand
+        if torch.equal(valid_at(b_s, i_s, j_s, lens, targets, w, c, f, causal), o_s):
+            full = reference_mask(lens, N, targets, cand)[bb, ii, jj].expand(X.shape)
+            if torch.equal(full & in_seq, obs):
+                params = cand
+                break
+    if params is None:
+        causal_like = bool((obs & (jj > ii).expand(X.shape)).any())
+        what = "has entries above the diagonal (not causal)" if causal_like else "matches no HSTU mask"
+        raise Decline(f"attention mask {what} for any (max_attn_len, contextual_seq_len, "
+                      f"min_full_attn_seq_len) taken from the graph's constants")
+    a, c0 = fit_alpha(X, S_at, s_at, obs, alphas)
+    return a, c0, params
+
+
+def fit_alpha(X, S_at, s_at, sel, alphas):
+    """``(alpha, c0)`` with ``X == c0 * s * silu(alpha * S)`` on ``sel`` (alpha among ``alphas``)."""
+    for a in alphas:
+        ratio = X[sel] / (s_at.expand(X.shape)[sel] * silu(a * S_at[sel]))
+        if ratio.numel() == 0:
+            continue
+        c0 = float(ratio.mean())
+        if c0 != 0 and bool(torch.allclose(ratio, torch.full_like(ratio, c0), rtol=1e-9, atol=0)):
+            return a, c0
+    raise Decline("scores are not scale * silu(alpha * qk) for any alpha among the graph's constants "
+                  "(other activation or normalisation?)")
