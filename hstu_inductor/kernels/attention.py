@@ -14,6 +14,8 @@ Two memory paths, chosen by ``tma``:
   * device-side tensor descriptors (``tl.make_tensor_descriptor``, TMA on sm90+), one descriptor
     per (sequence, head) whose shape ends at the sequence's last row: loads past it are zero-filled
     by the hardware and stores past it are dropped, so no row masks are needed.
+Both go through one code path, :func:`_rows` / :func:`_load_rows` / :func:`_store_rows`: the
+kernels never branch on ``TMA`` themselves.
 
 Backward: one program per key block keeps dK/dV in registers and walks the query blocks that can
 see it. dQ is either
@@ -305,6 +307,56 @@ def _bwd_query_range(n0, n, M, c, w, f, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 
 # --------------------------------------------------------------------------------------------
+# Row tiles of a [n, D] operand: one code path for descriptors (TMA) and pointers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rows(base, n, D, stride_m, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """The [n, D] operand of one (sequence, head) at ``base`` (row stride ``stride_m``): a device-side
+    tensor descriptor ending at row n (TMA: zero-filled loads and dropped stores past it), or the
+    pointer itself."""
+    if TMA:
+        src = tl.make_tensor_descriptor(base, shape=[n, D], strides=[stride_m, 1], block_shape=[BLOCK, BLOCK_D])
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def _load_rows(src, r0, n, D, stride_m, stride_d, MASKED: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
+               BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [r0, r0 + BLOCK) of ``_rows(...)``, zeros outside [n, D]. Pointer loads mask the rows only
+    when MASKED (the full blocks of the key loops lie inside the sequence), the columns unless EVEN_D."""
+    if TMA:
+        x = src.load([r0, 0])
+    else:
+        offs = r0 + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = src + offs[:, None].to(tl.int64) * stride_m + offs_d[None, :] * stride_d
+        if MASKED:
+            x = tl.load(ptrs, mask=(offs[:, None] < n) & (offs_d[None, :] < D), other=0.0)
+        elif EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(dst, r0, x, n, D, stride_m, stride_d, TMA: tl.constexpr, BLOCK: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """Rows [r0, r0 + BLOCK) of ``x`` into ``_rows(...)``; nothing outside [n, D] is written."""
+    if TMA:
+        dst.store([r0, 0], x)
+    else:
+        offs = r0 + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.store(dst + offs[:, None].to(tl.int64) * stride_m + offs_d[None, :] * stride_d, x,
+                 mask=(offs[:, None] < n) & (offs_d[None, :] < D))
+
+
+# --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
 
@@ -317,28 +369,10 @@ def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_dq = tl.arange(0, BLOCK_DQ)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        if TMA:
-            k = K_src.load([start_n, 0])
-            v = V_src.load([start_n, 0])
-        else:
-            k_ptrs = K_src + offs_n[:, None].to(tl.int64) * stride_km + offs_dq[None, :] * stride_kd
-            v_ptrs = V_src + offs_n[:, None].to(tl.int64) * stride_vm + offs_dv[None, :] * stride_vd
-            if MASKED:
-                k = tl.load(k_ptrs, mask=(offs_n[:, None] < n) & (offs_dq[None, :] < DQ), other=0.0)
-                v = tl.load(v_ptrs, mask=(offs_n[:, None] < n) & (offs_dv[None, :] < DV), other=0.0)
-            else:  # full blocks lie inside the sequence
-                if EVEN_DQ:
-                    k = tl.load(k_ptrs)
-                else:
-                    k = tl.load(k_ptrs, mask=offs_dq[None, :] < DQ, other=0.0)
-                if EVEN_DV:
-                    v = tl.load(v_ptrs)
-                else:
-                    v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        k = _load_rows(K_src, start_n, n, DQ, stride_km, stride_kd, MASKED, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
+        v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if FAST == 2:
             p = _silu_packed((s * (0.5 * alpha)).to(v.dtype))
@@ -392,27 +426,16 @@ def _hstu_fwd_kernel(
     M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
 
     offs_r = r0 + tl.arange(0, BLOCK_M)
-    offs_dq = tl.arange(0, BLOCK_DQ)
-    offs_dv = tl.arange(0, BLOCK_DV)
     pos_m = pos0 + offs_r
     pi_m = _ids(pos_m, CTX, M, HAS_CTX, HAS_TGT)
 
     q_base = Q + q_row0 * stride_qm + h * stride_qh
     k_base = K + start * stride_km + h * stride_kh
     v_base = V + start * stride_vm + h * stride_vh
-    if TMA:
-        q_desc = tl.make_tensor_descriptor(q_base, shape=[nq, DQ], strides=[stride_qm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_DQ])
-        K_src = tl.make_tensor_descriptor(k_base, shape=[n, DQ], strides=[stride_km, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DQ])
-        V_src = tl.make_tensor_descriptor(v_base, shape=[n, DV], strides=[stride_vm, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DV])
-        q = q_desc.load([r0, 0])
-    else:
-        K_src = k_base
-        V_src = v_base
-        q = tl.load(q_base + offs_r[:, None].to(tl.int64) * stride_qm + offs_dq[None, :] * stride_qd,
-                    mask=(offs_r[:, None] < nq) & (offs_dq[None, :] < DQ), other=0.0)
+    q_src = _rows(q_base, nq, DQ, stride_qm, BLOCK_M, BLOCK_DQ, TMA)
+    K_src = _rows(k_base, n, DQ, stride_km, BLOCK_N, BLOCK_DQ, TMA)
+    V_src = _rows(v_base, n, DV, stride_vm, BLOCK_N, BLOCK_DV, TMA)
+    q = _load_rows(q_src, r0, nq, DQ, stride_qm, stride_qd, True, EVEN_DQ, TMA, BLOCK_M, BLOCK_DQ)
     if DELTA:  # query rows before the sequence start (n_b < D) contribute nothing
         q = tl.where((pos_m >= 0)[:, None], q, tl.zeros_like(q))
     if Q_IN_REGS:
@@ -445,13 +468,8 @@ def _hstu_fwd_kernel(
         acc = acc * sc[:, None]
     out = acc.to(O.dtype.element_ty)
     o_base = O + q_row0 * stride_om + h * stride_oh
-    if TMA:
-        o_desc = tl.make_tensor_descriptor(o_base, shape=[nq, DV], strides=[stride_om, 1],
-                                           block_shape=[BLOCK_M, BLOCK_DV])
-        o_desc.store([r0, 0], out)
-    else:
-        tl.store(o_base + offs_r[:, None].to(tl.int64) * stride_om + offs_dv[None, :] * stride_od, out,
-                 mask=(offs_r[:, None] < nq) & (offs_dv[None, :] < DV))
+    _store_rows(_rows(o_base, nq, DV, stride_om, BLOCK_M, BLOCK_DV, TMA), r0, out, nq, DV, stride_om, stride_od, TMA,
+                BLOCK_M, BLOCK_DV)
 
 
 # --------------------------------------------------------------------------------------------
@@ -469,27 +487,10 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stri
                     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_dq = tl.arange(0, BLOCK_DQ)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        if TMA:
-            q = Q_src.load([start_m, 0])
-            do = DO_src.load([start_m, 0])
-        else:
-            q_ptrs = Q_src + offs_m[:, None].to(tl.int64) * stride_qm + offs_dq[None, :] * stride_qd
-            do_ptrs = DO_src + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :] * stride_dod
-            if MASKED:
-                q = tl.load(q_ptrs, mask=(offs_m[:, None] < n) & (offs_dq[None, :] < DQ), other=0.0)
-                do = tl.load(do_ptrs, mask=(offs_m[:, None] < n) & (offs_dv[None, :] < DV), other=0.0)
-            else:
-                if EVEN_DQ:
-                    q = tl.load(q_ptrs)
-                else:
-                    q = tl.load(q_ptrs, mask=offs_dq[None, :] < DQ, other=0.0)
-                if EVEN_DV:
-                    do = tl.load(do_ptrs)
-                else:
-                    do = tl.load(do_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        q = _load_rows(Q_src, start_m, n, DQ, stride_qm, stride_qd, MASKED, EVEN_DQ, TMA, BLOCK_M, BLOCK_DQ)
+        do = _load_rows(DO_src, start_m, n, DV, stride_dom, stride_dod, MASKED, EVEN_DV, TMA, BLOCK_M, BLOCK_DV)
         if SCALE_MODE == 2:
             sc = tl.load(S_base + offs_m * stride_sm, mask=offs_m < n, other=0.0).to(tl.float32)
             do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
@@ -556,8 +557,6 @@ def _hstu_bwd_dkdv_kernel(
     M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_dq = tl.arange(0, BLOCK_DQ)
-    offs_dv = tl.arange(0, BLOCK_DV)
     pi_n = _ids(offs_n, CTX, M, HAS_CTX, HAS_TGT)
 
     q_base = Q + start * stride_qm + h * stride_qh
@@ -575,24 +574,12 @@ def _hstu_bwd_dkdv_kernel(
     else:
         s_base = ATTN_SCALE
 
-    if TMA:
-        Q_src = tl.make_tensor_descriptor(q_base, shape=[n, DQ], strides=[stride_qm, 1],
-                                          block_shape=[BLOCK_M, BLOCK_DQ])
-        DO_src = tl.make_tensor_descriptor(do_base, shape=[n, DV], strides=[stride_dom, 1],
-                                           block_shape=[BLOCK_M, BLOCK_DV])
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[n, DQ], strides=[stride_km, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DQ])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[n, DV], strides=[stride_vm, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DV])
-        k = k_desc.load([n0, 0])
-        v = v_desc.load([n0, 0])
-    else:
-        Q_src = q_base
-        DO_src = do_base
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_km + offs_dq[None, :] * stride_kd,
-                    mask=(offs_n[:, None] < n) & (offs_dq[None, :] < DQ), other=0.0)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vm + offs_dv[None, :] * stride_vd,
-                    mask=(offs_n[:, None] < n) & (offs_dv[None, :] < DV), other=0.0)
+    Q_src = _rows(q_base, n, DQ, stride_qm, BLOCK_M, BLOCK_DQ, TMA)
+    DO_src = _rows(do_base, n, DV, stride_dom, BLOCK_M, BLOCK_DV, TMA)
+    k_src = _rows(k_base, n, DQ, stride_km, BLOCK_N, BLOCK_DQ, TMA)
+    v_src = _rows(v_base, n, DV, stride_vm, BLOCK_N, BLOCK_DV, TMA)
+    k = _load_rows(k_src, n0, n, DQ, stride_km, stride_kd, True, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
+    v = _load_rows(v_src, n0, n, DV, stride_vm, stride_vd, True, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
     if DQ_MODE == 2:
         DQ_dst = tl.make_tensor_descriptor(dq_base, shape=[n, DQ], strides=[stride_dqm, 1],
                                            block_shape=[BLOCK_M, BLOCK_DQ])
@@ -630,18 +617,10 @@ def _hstu_bwd_dkdv_kernel(
         sc = 1.0
     dk = (dk * (alpha * sc)).to(DK.dtype.element_ty)
     dv = (dv * sc).to(DVo.dtype.element_ty)
-    if TMA:
-        dk_desc = tl.make_tensor_descriptor(dk_base, shape=[n, DQ], strides=[stride_dkm, 1],
-                                            block_shape=[BLOCK_N, BLOCK_DQ])
-        dv_desc = tl.make_tensor_descriptor(dv_base, shape=[n, DV], strides=[stride_dvm, 1],
-                                            block_shape=[BLOCK_N, BLOCK_DV])
-        dk_desc.store([n0, 0], dk)
-        dv_desc.store([n0, 0], dv)
-    else:
-        tl.store(dk_base + offs_n[:, None].to(tl.int64) * stride_dkm + offs_dq[None, :], dk,
-                 mask=(offs_n[:, None] < n) & (offs_dq[None, :] < DQ))
-        tl.store(dv_base + offs_n[:, None].to(tl.int64) * stride_dvm + offs_dv[None, :], dv,
-                 mask=(offs_n[:, None] < n) & (offs_dv[None, :] < DV))
+    dk_dst = _rows(dk_base, n, DQ, stride_dkm, BLOCK_N, BLOCK_DQ, TMA)
+    dv_dst = _rows(dv_base, n, DV, stride_dvm, BLOCK_N, BLOCK_DV, TMA)
+    _store_rows(dk_dst, n0, dk, n, DQ, stride_dkm, 1, TMA, BLOCK_N, BLOCK_DQ)
+    _store_rows(dv_dst, n0, dv, n, DV, stride_dvm, 1, TMA, BLOCK_N, BLOCK_DV)
 
 
 # --------------------------------------------------------------------------------------------
@@ -657,28 +636,10 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
                   PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_dq = tl.arange(0, BLOCK_DQ)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        if TMA:
-            k = K_src.load([start_n, 0])
-            v = V_src.load([start_n, 0])
-        else:
-            k_ptrs = K_src + offs_n[:, None].to(tl.int64) * stride_km + offs_dq[None, :] * stride_kd
-            v_ptrs = V_src + offs_n[:, None].to(tl.int64) * stride_vm + offs_dv[None, :] * stride_vd
-            if MASKED:
-                k = tl.load(k_ptrs, mask=(offs_n[:, None] < n) & (offs_dq[None, :] < DQ), other=0.0)
-                v = tl.load(v_ptrs, mask=(offs_n[:, None] < n) & (offs_dv[None, :] < DV), other=0.0)
-            else:
-                if EVEN_DQ:
-                    k = tl.load(k_ptrs)
-                else:
-                    k = tl.load(k_ptrs, mask=offs_dq[None, :] < DQ, other=0.0)
-                if EVEN_DV:
-                    v = tl.load(v_ptrs)
-                else:
-                    v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        k = _load_rows(K_src, start_n, n, DQ, stride_km, stride_kd, MASKED, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
+        v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if FAST == 2:
@@ -719,32 +680,18 @@ def _hstu_bwd_dq_kernel(
         return
     M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
     offs_r = r0 + tl.arange(0, BLOCK_M)
-    offs_dq = tl.arange(0, BLOCK_DQ)
-    offs_dv = tl.arange(0, BLOCK_DV)
     pi_m = _ids(offs_r, CTX, M, HAS_CTX, HAS_TGT)
 
     q_base = Q + start * stride_qm + h * stride_qh
     k_base = K + start * stride_km + h * stride_kh
     v_base = V + start * stride_vm + h * stride_vh
     do_base = DO + start * stride_dom + h * stride_doh
-    if TMA:
-        q_desc = tl.make_tensor_descriptor(q_base, shape=[n, DQ], strides=[stride_qm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_DQ])
-        do_desc = tl.make_tensor_descriptor(do_base, shape=[n, DV], strides=[stride_dom, 1],
-                                            block_shape=[BLOCK_M, BLOCK_DV])
-        K_src = tl.make_tensor_descriptor(k_base, shape=[n, DQ], strides=[stride_km, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DQ])
-        V_src = tl.make_tensor_descriptor(v_base, shape=[n, DV], strides=[stride_vm, 1],
-                                          block_shape=[BLOCK_N, BLOCK_DV])
-        q = q_desc.load([r0, 0])
-        do = do_desc.load([r0, 0])
-    else:
-        K_src = k_base
-        V_src = v_base
-        q = tl.load(q_base + offs_r[:, None].to(tl.int64) * stride_qm + offs_dq[None, :] * stride_qd,
-                    mask=(offs_r[:, None] < n) & (offs_dq[None, :] < DQ), other=0.0)
-        do = tl.load(do_base + offs_r[:, None].to(tl.int64) * stride_dom + offs_dv[None, :] * stride_dod,
-                     mask=(offs_r[:, None] < n) & (offs_dv[None, :] < DV), other=0.0)
+    q_src = _rows(q_base, n, DQ, stride_qm, BLOCK_M, BLOCK_DQ, TMA)
+    do_src = _rows(do_base, n, DV, stride_dom, BLOCK_M, BLOCK_DV, TMA)
+    K_src = _rows(k_base, n, DQ, stride_km, BLOCK_N, BLOCK_DQ, TMA)
+    V_src = _rows(v_base, n, DV, stride_vm, BLOCK_N, BLOCK_DV, TMA)
+    q = _load_rows(q_src, r0, n, DQ, stride_qm, stride_qd, True, EVEN_DQ, TMA, BLOCK_M, BLOCK_DQ)
+    do = _load_rows(do_src, r0, n, DV, stride_dom, stride_dod, True, EVEN_DV, TMA, BLOCK_M, BLOCK_DV)
     if SCALE_MODE == 2:
         sc_rows = tl.load(ATTN_SCALE + (start + offs_r) * stride_sm, mask=offs_r < n, other=0.0).to(tl.float32)
         do = (do.to(tl.float32) * sc_rows[:, None]).to(q.dtype)
@@ -774,13 +721,8 @@ def _hstu_bwd_dq_kernel(
         sc = 1.0
     out = (dq * (alpha * sc)).to(DQo.dtype.element_ty)
     dq_base = DQo + start * stride_dqm + h * stride_dqh
-    if TMA:
-        dq_desc = tl.make_tensor_descriptor(dq_base, shape=[n, DQ], strides=[stride_dqm, 1],
-                                            block_shape=[BLOCK_M, BLOCK_DQ])
-        dq_desc.store([r0, 0], out)
-    else:
-        tl.store(dq_base + offs_r[:, None].to(tl.int64) * stride_dqm + offs_dq[None, :], out,
-                 mask=(offs_r[:, None] < n) & (offs_dq[None, :] < DQ))
+    _store_rows(_rows(dq_base, n, DQ, stride_dqm, BLOCK_M, BLOCK_DQ, TMA), r0, out, n, DQ, stride_dqm, 1, TMA,
+                BLOCK_M, BLOCK_DQ)
 
 
 @triton.jit

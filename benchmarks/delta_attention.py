@@ -1,0 +1,89 @@
+"""Benchmark cached (delta) HSTU attention: the last D rows of every sequence attend to the whole cache.
+
+Providers, one process, same inputs (B sequences of lengths U[0.9N, N), H heads, bf16, causal):
+  * ``ours``      ``kernels.delta_hstu_attention_fwd`` on ``delta_q: [B*D, H, Dq]``;
+  * ``dense``     what a model without a delta path does: the full forward over all L rows
+                  (``kernels.hstu_attention_fwd``), of which only the last D rows per sequence are used;
+  * ``gr_tma`` / ``gr``  generative-recommenders' ``triton_cached_hstu_mha`` (TMA on / off), imported
+                  like in ``attention.py`` from ``HSTU_ANCHOR_PATH`` (default ./.anchor) when present.
+
+Every provider's delta rows are checked against the dense forward's rows (relative norm error).
+FLOPs counted for the delta rows only: sum_b H * D * n_b * (Dq + Dv) * 2.
+
+    python benchmarks/delta_attention.py --n 1024 4096 --delta 1 16 128
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from attention import _anchor, bench  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--delta", type=int, nargs="+", default=[1, 16, 128], help="rows per sequence (D)")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--rep", type=int, default=100)
+    args = ap.parse_args()
+
+    from hstu_inductor.kernels import attention as K
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    B, H, Dm = args.batch, args.heads, args.dim
+    alpha = 1.0 / Dm
+    try:
+        gr = _anchor()
+    except ImportError:
+        gr = None
+        print("anchor not found (HSTU_ANCHOR_PATH): gr providers skipped")
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}  B={B} H={H} D={Dm} bf16")
+    print(f"{'N':>5} {'D':>4} {'provider':8s} {'ms':>9} {'TFLOP/s':>8} {'x dense':>8}  rel_err")
+    for N in args.n:
+        g = torch.Generator().manual_seed(N)
+        lengths = torch.randint(int(0.9 * N), N, (B,), generator=g)
+        off = torch.zeros(B + 1, dtype=torch.int64)
+        off[1:] = lengths.cumsum(0)
+        L = int(off[-1])
+        q, k, v = (torch.randn(L, H, Dm, generator=g).to(device, torch.bfloat16) for _ in range(3))
+        off = off.to(device)
+        dense = K.hstu_attention_fwd(q, k, v, off, N, alpha)
+        t_dense = bench(lambda: K.hstu_attention_fwd(q, k, v, off, N, alpha), args.rep)
+        for D in args.delta:
+            if D > int(lengths.min()):
+                continue
+            # the last D rows of every sequence, [B*D, H, Dq]
+            rows = (off[1:, None] - D + torch.arange(D, device=device)[None, :]).reshape(-1)
+            dq = q[rows].contiguous()
+            want = dense[rows].float()
+            flops = 2.0 * H * D * float(lengths.sum()) * (2 * Dm)
+            runs = {"ours": lambda: K.delta_hstu_attention_fwd(dq, k, v, off, N, alpha)}
+            if gr is not None:
+                for name, tma in (("gr_tma", True), ("gr", False)):
+                    runs[name] = (lambda tma=tma: gr.triton_cached_hstu_mha(N, alpha, dq, k, v, off, None, 0, 0, tma))
+            runs["dense"] = None
+            for name, fn in runs.items():
+                if fn is None:
+                    ms, err = t_dense, 0.0
+                else:
+                    try:
+                        out = fn()
+                        err = ((out.float() - want).norm() / want.norm()).item()
+                        ms = bench(fn, args.rep)
+                    except Exception as e:  # an anchor without this entry point / config
+                        print(f"{N:5d} {D:4d} {name:8s} n/a: {type(e).__name__}: {str(e)[:100]}")
+                        continue
+                print(f"{N:5d} {D:4d} {name:8s} {ms:9.4f} {flops / (ms * 1e-3) / 1e12:8.1f} "
+                      f"{t_dense / ms:8.1f}  {err:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
