@@ -11,25 +11,29 @@ want_test=0; [ "${1:-}" = "--test" ] && want_test=1
 pip() { "$VENV/bin/python" -m pip "$@"; }
 quiet() { grep -v -e "is ignored: it is neither" -e "^$" || true; }
 
-# torch: keep an existing >=2.11 install, else the 2.13.0 CPU wheel (found on disk through pip's
-# find-links; a bare `pip install torch` would pull several GB of CUDA packages).
-if ! "$VENV/bin/python" -c "import torch,sys; v=tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 11))" 2>/dev/null; then
-  echo "[setup] installing torch==2.13.0 (CPU)"
-  pip install -q torch==2.13.0 2>&1 | quiet
-fi
-if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
-  echo "[setup] installing triton==3.6.0"
-  # numpy<2.3: the triton 3.6 interpreter breaks on range(tl.cdiv(...)) with numpy 2.4.
-  pip install -q triton==3.6.0 "numpy<2.3" 2>&1 | quiet
-fi
-"$VENV/bin/python" -c "import numpy" 2>/dev/null || pip install -q "numpy<2.3" 2>&1 | quiet
+# What is missing is installed in one pip call (each call costs seconds of start-up and
+# resolution), without byte-compiling all of torch up front (--no-compile: Python compiles what is
+# imported, on first import). torch: keep an existing >=2.11 install, else the 2.13.0 CPU wheel
+# (found on disk through pip's find-links; a bare `pip install torch` would pull several GB of CUDA
+# packages). numpy<2.3: the triton 3.6 interpreter breaks on range(tl.cdiv(...)) with numpy 2.4.
+has() { "$VENV/bin/python" -c "$1" 2>/dev/null; }
+want=()
+has "import torch,sys; v=tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 11))" \
+  || want+=(torch==2.13.0)
+has "import triton" || want+=(triton==3.6.0)
+has "import numpy" && [ ${#want[@]} = 0 ] || want+=("numpy<2.3")
 if [ $want_test = 1 ]; then
-  "$VENV/bin/python" -c "import pytest, xdist, expecttest, hypothesis" 2>/dev/null || {
-    echo "[setup] installing test tools"; pip install -q pytest pytest-xdist expecttest hypothesis 2>&1 | quiet; }
-  # fbgemm is optional for users; the fbgemm spelling tests use it when it imports.
-  "$VENV/bin/python" -c "import fbgemm_gpu" 2>/dev/null || {
-    echo "[setup] installing fbgemm-gpu-cpu==1.8.0"
-    pip install -q --no-deps fbgemm-gpu-cpu==1.8.0 2>&1 | quiet || echo "[setup] fbgemm unavailable; its tests will skip"; }
+  has "import pytest, xdist, expecttest, hypothesis" || want+=(pytest pytest-xdist expecttest hypothesis)
+fi
+if [ ${#want[@]} -gt 0 ]; then
+  echo "[setup] installing ${want[*]}"
+  pip install -q --no-compile "${want[@]}" 2>&1 | quiet
+fi
+# fbgemm is optional for users; the fbgemm spelling tests use it when it imports (--no-deps: it
+# would otherwise pull its own torch).
+if [ $want_test = 1 ] && ! has "import fbgemm_gpu"; then
+  echo "[setup] installing fbgemm-gpu-cpu==1.8.0"
+  pip install -q --no-compile --no-deps fbgemm-gpu-cpu==1.8.0 2>&1 | quiet || echo "[setup] fbgemm unavailable; its tests will skip"
 fi
 # Editable install registers the torch_dynamo_backends entry point ("hstu").
 pip install -q --no-deps --no-build-isolation -e . 2>&1 | quiet
