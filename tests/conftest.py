@@ -155,6 +155,12 @@ HEAVY = (
     "tests/patterns/test_generalize.py::test_public_style_stacks",
     "tests/patterns/test_generalize.py::test_real_compile_b16_n2048_equal_to_eager",
     "tests/patterns/test_attention_dynamic_true.py::test_dynamic_true_rewritten_and_equal",
+    # opcheck's backward and delta sweeps and the hypothesis fuzzing (forward opcheck stays fast)
+    "tests/test_ops_opcheck.py::test_opcheck_attention_bwd",
+    "tests/test_ops_opcheck.py::test_opcheck_delta_attention",
+    "tests/test_fuzz_backend.py",
+    "tests/patterns/test_blocks_public_styles.py::TestPublicStyles::test_graph_break_in_every_layer",
+    "tests/patterns/test_blocks_public_styles.py::TestPublicStyles::test_training_every_layer",
 )
 
 
