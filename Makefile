@@ -15,8 +15,9 @@ train: setup
 test: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) $(PYTEST_ARGS)
 
-# Inner loop: everything but the tests marked ``heavy`` (see tests/conftest.py): about 1.5 min on
-# 2 idle cores once Inductor's cache holds the unchanged graphs.
+# Inner loop: everything but the tests marked ``heavy`` (see tests/conftest.py): under 2 min on
+# 2 cores once Inductor's cache holds the unchanged graphs. `make test` from a fresh clone: about
+# 12 min on 2 cores (most of it Inductor building its C++ kernels; see README "Development").
 test-fast: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) -m "not slow and not gpu and not heavy"
 
