@@ -1,12 +1,13 @@
 # The two commands of the README. Each sets up ./.venv itself (see scripts/setup_env.sh).
 PY := .venv/bin/python
 PYTEST_ARGS ?= -m "not slow and not gpu"
-# pytest-xdist workers ("auto": one per core; 0: one process). --durations: the slowest tests, so
-# that a test which grows slow is seen in every CI log.
+# pytest-xdist workers ("auto": one per core; 0: one process), fed the longest tests first from
+# tests/durations.txt (see tests/conftest.py). --durations: the slowest tests, so that a test which
+# grows slow is seen in every CI log.
 PYTEST_WORKERS ?= auto
 PYTEST_OPTS = -q -n $(PYTEST_WORKERS) --durations=25
 
-.PHONY: train test test-fast setup setup-test bench-attention clean
+.PHONY: train test test-fast durations setup setup-test bench-attention clean
 
 train: setup
 	$(PY) examples/train_hstu.py $(ARGS)
@@ -14,9 +15,16 @@ train: setup
 test: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) $(PYTEST_ARGS)
 
-# Inner loop (~290 CPU-s: about 2.5 min on 2 idle cores): everything but the tests marked ``heavy`` (see tests/conftest.py).
+# Inner loop: everything but the tests marked ``heavy`` (see tests/conftest.py): under 2 min on
+# 2 cores once Inductor's cache holds the unchanged graphs. `make test` from a fresh clone: about
+# 12 min on 2 cores (most of it Inductor building its C++ kernels; see README "Development").
 test-fast: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) -m "not slow and not gpu and not heavy"
+
+# Re-measure tests/durations.txt (the longest-first order of `make test`); commit the result.
+durations: setup-test
+	$(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --durations=0 $(PYTEST_ARGS) | tee .durations.log
+	$(PY) scripts/test_durations.py .durations.log
 
 setup:
 	scripts/setup_env.sh
@@ -25,4 +33,4 @@ setup-test:
 	scripts/setup_env.sh --test
 
 clean:
-	rm -rf .venv build *.egg-info .pytest_cache
+	rm -rf .venv build *.egg-info .pytest_cache .durations.log

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create ./.venv with everything hstu-inductor needs on a fresh machine (CPU, no GPU).
 # Usage: scripts/setup_env.sh [--test]   (--test adds pytest, pytest-xdist, expecttest, hypothesis, fbgemm)
+# Every `make test` runs this: on a ready .venv it is one Python probe (a few seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,26 +12,57 @@ want_test=0; [ "${1:-}" = "--test" ] && want_test=1
 pip() { "$VENV/bin/python" -m pip "$@"; }
 quiet() { grep -v -e "is ignored: it is neither" -e "^$" || true; }
 
-# torch: keep an existing >=2.11 install, else the 2.13.0 CPU wheel (found on disk through pip's
-# find-links; a bare `pip install torch` would pull several GB of CUDA packages).
-if ! "$VENV/bin/python" -c "import torch,sys; v=tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 11))" 2>/dev/null; then
-  echo "[setup] installing torch==2.13.0 (CPU)"
-  pip install -q torch==2.13.0 2>&1 | quiet
+# One probe (importing torch once) names what is missing: torch (>=2.11), triton, numpy, the test
+# tools, fbgemm, and the editable install of this checkout (its "hstu" torch_dynamo_backends entry
+# point).
+missing=$("$VENV/bin/python" - <<'PROBE' 2>/dev/null || echo "torch triton numpy tools fbgemm editable"
+import importlib.util as u, os, sys
+out = []
+try:
+    import torch
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11):
+        out.append("torch")
+except ImportError:
+    out.append("torch")
+out += [m for m in ("triton", "numpy") if u.find_spec(m) is None]
+if any(u.find_spec(m) is None for m in ("pytest", "xdist", "expecttest", "hypothesis")):
+    out.append("tools")
+try:
+    import fbgemm_gpu  # noqa: F401
+except Exception:
+    out.append("fbgemm")
+from importlib.metadata import entry_points
+spec = u.find_spec("hstu_inductor")
+here = spec is not None and os.path.dirname(os.path.dirname(spec.origin)) == os.getcwd()
+if not (here and any(e.name == "hstu" for e in entry_points(group="torch_dynamo_backends"))):
+    out.append("editable")
+print(" ".join(out))
+PROBE
+)
+needs() { [[ " $missing " == *" $1 "* ]]; }
+
+# What is missing is installed in one pip call (each call costs seconds of start-up and
+# resolution), without byte-compiling all of torch up front (--no-compile: Python compiles what is
+# imported, on first import). torch: the 2.13.0 CPU wheel (found on disk through pip's find-links; a
+# bare `pip install torch` would pull several GB of CUDA packages). numpy<2.3: the triton 3.6
+# interpreter breaks on range(tl.cdiv(...)) with numpy 2.4.
+want=()
+needs torch && want+=(torch==2.13.0)
+needs triton && want+=(triton==3.6.0)
+{ needs numpy || [ ${#want[@]} -gt 0 ]; } && want+=("numpy<2.3")
+[ $want_test = 1 ] && needs tools && want+=(pytest pytest-xdist expecttest hypothesis)
+if [ ${#want[@]} -gt 0 ]; then
+  echo "[setup] installing ${want[*]}"
+  pip install -q --no-compile "${want[@]}" 2>&1 | quiet
 fi
-if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
-  echo "[setup] installing triton==3.6.0"
-  # numpy<2.3: the triton 3.6 interpreter breaks on range(tl.cdiv(...)) with numpy 2.4.
-  pip install -q triton==3.6.0 "numpy<2.3" 2>&1 | quiet
-fi
-"$VENV/bin/python" -c "import numpy" 2>/dev/null || pip install -q "numpy<2.3" 2>&1 | quiet
-if [ $want_test = 1 ]; then
-  "$VENV/bin/python" -c "import pytest, xdist, expecttest, hypothesis" 2>/dev/null || {
-    echo "[setup] installing test tools"; pip install -q pytest pytest-xdist expecttest hypothesis 2>&1 | quiet; }
-  # fbgemm is optional for users; the fbgemm spelling tests use it when it imports.
-  "$VENV/bin/python" -c "import fbgemm_gpu" 2>/dev/null || {
-    echo "[setup] installing fbgemm-gpu-cpu==1.8.0"
-    pip install -q --no-deps fbgemm-gpu-cpu==1.8.0 2>&1 | quiet || echo "[setup] fbgemm unavailable; its tests will skip"; }
+# fbgemm is optional for users; the fbgemm spelling tests use it when it imports (--no-deps: it
+# would otherwise pull its own torch).
+if [ $want_test = 1 ] && needs fbgemm; then
+  echo "[setup] installing fbgemm-gpu-cpu==1.8.0"
+  pip install -q --no-compile --no-deps fbgemm-gpu-cpu==1.8.0 2>&1 | quiet || echo "[setup] fbgemm unavailable; its tests will skip"
 fi
 # Editable install registers the torch_dynamo_backends entry point ("hstu").
-pip install -q --no-deps --no-build-isolation -e . 2>&1 | quiet
-echo "[setup] ready: $("$VENV/bin/python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
+if needs editable; then
+  pip install -q --no-deps --no-build-isolation -e . 2>&1 | quiet
+fi
+echo "[setup] ready: $("$VENV/bin/python" -c 'from importlib.metadata import version as v; print("torch", v("torch"), "triton", v("triton"))')"

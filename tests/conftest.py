@@ -67,6 +67,27 @@ def _file_shares_fixture(path: str) -> bool:
         return False
 
 
+# Longest first: xdist hands out units in queue order, so a long unit picked up last leaves the
+# other worker idle at the end (on 2 cores the tail was minutes). ``tests/durations.txt`` holds
+# each test's measured seconds (refresh with ``make durations``); units are queued by their summed
+# estimate, a test missing from the file counting ``_UNKNOWN_S``. Only the order changes.
+_DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.txt")
+_UNKNOWN_S = 1.0
+
+
+def _load_durations() -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        with open(_DURATIONS, encoding="utf-8") as f:
+            for line in f:
+                secs, _, nodeid = line.strip().partition(" ")
+                if nodeid and not line.startswith("#"):
+                    out[nodeid] = float(secs)
+    except OSError:
+        pass
+    return out
+
+
 @pytest.hookimpl(optionalhook=True)  # a hook of xdist: unknown (and unused) without it
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "load":  # an explicit --dist choice is left alone
@@ -74,11 +95,23 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     root = str(config.rootpath)
+    durations = _load_durations()
 
     class _SharedFixtureScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return path if _file_shares_fixture(os.path.join(root, path)) else nodeid
+
+        def _assign_work_unit(self, node) -> None:
+            # Called first once xdist has queued every unit: sort the queue then, costliest first
+            # (sorted is stable: equal estimates keep collection order).
+            if not getattr(self, "_longest_first", False):
+                units = sorted(self.workqueue.items(),
+                               key=lambda u: -sum(durations.get(n, _UNKNOWN_S) for n in u[1]))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+                self._longest_first = True
+            super()._assign_work_unit(node)
 
     return _SharedFixtureScheduling(config, log)
 
@@ -113,6 +146,21 @@ HEAVY = (
     "tests/kernels/test_attention_kernels.py::test_window_sweep_fwd_bwd",
     "tests/kernels/test_attention_kernels.py::test_target_sweep_fwd_bwd",
     "tests/kernels/test_attention_kernels.py::test_block_shapes_and_skipping_bounds",
+    # spawned gloo process pairs (each imports torch and compiles the model on every rank)
+    "tests/distributed/test_ddp.py",
+    "tests/distributed/test_ddp_python_reducer.py",
+    "tests/distributed/test_ddp_sharded.py",
+    "tests/distributed/test_fsdp.py",
+    "tests/distributed/test_fsdp_root.py",
+    "tests/patterns/test_generalize.py::test_public_style_stacks",
+    "tests/patterns/test_generalize.py::test_real_compile_b16_n2048_equal_to_eager",
+    "tests/patterns/test_attention_dynamic_true.py::test_dynamic_true_rewritten_and_equal",
+    # opcheck's backward and delta sweeps and the hypothesis fuzzing (forward opcheck stays fast)
+    "tests/test_ops_opcheck.py::test_opcheck_attention_bwd",
+    "tests/test_ops_opcheck.py::test_opcheck_delta_attention",
+    "tests/test_fuzz_backend.py",
+    "tests/patterns/test_blocks_public_styles.py::TestPublicStyles::test_graph_break_in_every_layer",
+    "tests/patterns/test_blocks_public_styles.py::TestPublicStyles::test_training_every_layer",
 )
 
 
