@@ -17,7 +17,7 @@ test: setup-test
 
 # Inner loop: everything but the tests marked ``heavy`` (see tests/conftest.py): under 2 min on
 # 2 cores once Inductor's cache holds the unchanged graphs. `make test` from a fresh clone: about
-# 12 min on 2 cores (most of it Inductor building its C++ kernels; see README "Development").
+# 17 min on 2 cores with a cold Inductor cache (most of it building C++ kernels; README "Development").
 test-fast: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) -m "not slow and not gpu and not heavy"
 
