@@ -15,8 +15,8 @@ train: setup
 test: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) $(PYTEST_ARGS)
 
-# Inner loop: everything but the tests marked ``heavy`` (see tests/conftest.py): under 2 min on
-# 2 cores once Inductor's cache holds the unchanged graphs. `make test` from a fresh clone: about
+# Inner loop: everything but the tests marked ``heavy`` (see tests/conftest.py): 143 s on 2 cores
+# once Inductor's cache holds the unchanged graphs, 234 s cold. `make test` from a fresh clone: about
 # 17 min on 2 cores with a cold Inductor cache (most of it building C++ kernels; README "Development").
 test-fast: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) -m "not slow and not gpu and not heavy"
