@@ -580,11 +580,7 @@ def _hstu_bwd_dkdv_kernel(
     v_src = _rows(v_base, n, DV, stride_vm, BLOCK_N, BLOCK_DV, TMA)
     k = _load_rows(k_src, n0, n, DQ, stride_km, stride_kd, True, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
     v = _load_rows(v_src, n0, n, DV, stride_vm, stride_vd, True, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
-    if DQ_MODE == 2:
-        DQ_dst = tl.make_tensor_descriptor(dq_base, shape=[n, DQ], strides=[stride_dqm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_DQ])
-    else:
-        DQ_dst = dq_base
+    DQ_dst = _rows(dq_base, n, DQ, stride_dqm, BLOCK_M, BLOCK_DQ, DQ_MODE == 2)  # TMA reduce-add target
 
     cb, qa, qf, qe, qz = _bwd_query_range(n0, n, M, CTX, WINDOW, MINFULL, BLOCK_M, BLOCK_N, CAUSAL, HAS_CTX,
                                           HAS_TGT, HAS_WINDOW, HAS_MINFULL)
