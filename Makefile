@@ -7,7 +7,7 @@ PYTEST_ARGS ?= -m "not slow and not gpu"
 PYTEST_WORKERS ?= auto
 PYTEST_OPTS = -q -n $(PYTEST_WORKERS) --durations=25
 
-.PHONY: train test test-fast durations setup setup-test bench-attention clean
+.PHONY: train test test-fast test-inductor durations setup setup-test bench-attention clean
 
 train: setup
 	$(PY) examples/train_hstu.py $(ARGS)
@@ -20,6 +20,12 @@ test: setup-test
 # 17 min on 2 cores with a cold Inductor cache (most of it building C++ kernels; README "Development").
 test-fast: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) -m "not slow and not gpu and not heavy"
+
+# The rewrite tests (tests/patterns) run with backend="hstu_eager" (tests/_helpers.py: the same
+# rewrites, no C++ generated); this runs them through Inductor's code generation as well (about twice
+# as long). Before a release, or after touching how a rewritten graph reaches Inductor.
+test-inductor: setup-test
+	HSTU_TEST_REWRITE_BACKEND=hstu $(PY) -m pytest tests/patterns $(PYTEST_OPTS) $(PYTEST_ARGS)
 
 # Re-measure tests/durations.txt (the longest-first order of `make test`); commit the result.
 durations: setup-test

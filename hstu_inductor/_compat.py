@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "mode_options", "guarded", "plain_eager",
+__all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "aot_eager", "mode_options", "guarded", "plain_eager",
            "njt_view_target", "is_njt", "size_hint", "shape_env_hints", "specialize_ints", "install_ddp_pre_split",
            "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "unwrap_backend", "promoted_float_inputs"]
 
@@ -55,6 +55,14 @@ def compile_fx(gm, example_inputs, config_patches=None):
     from torch._inductor.compile_fx import compile_fx as _compile_fx
 
     return _compile_fx(gm, example_inputs, config_patches=config_patches or {})
+
+
+def aot_eager(gm, example_inputs):
+    """Dynamo's ``aot_eager`` backend on ``gm``: AOTAutograd (functionalisation, joint graph,
+    partition) with the graphs run op by op, no Inductor."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend("aot_eager")(gm, example_inputs)
 
 
 def mode_options(mode: str | None) -> dict:

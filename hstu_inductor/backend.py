@@ -5,7 +5,9 @@ point, so no import of ``hstu_inductor`` is needed. Flow per Dynamo graph:
 
 1. retrace the torch-level graph to ATen under Dynamo's fake mode (symbolic sizes kept);
 2. run the rewriters (``patterns``), which replace proven HSTU subgraphs by ``torch.ops.hstu.*``;
-3. hand the rewritten graph (or, if nothing was rewritten, the original one) to ``compile_fx``.
+3. hand the rewritten graph (or, if nothing was rewritten, the original one) to ``compile_fx``;
+   ``backend="hstu_eager"`` hands it to Dynamo's ``aot_eager`` instead (no code generation: for
+   bisecting a difference between Inductor and the rewrites, and for fast rewrite tests).
 
 Under ``DistributedDataParallel`` Dynamo's DDPOptimizer splits each graph at gradient-bucket
 boundaries before calling the backend per piece; :func:`_rewrite_before_ddp_split` (installed into
@@ -28,25 +30,44 @@ from . import _compat, config
 
 log = logging.getLogger("hstu_inductor")
 
-__all__ = ["hstu_backend"]
+__all__ = ["hstu_backend", "hstu_eager_backend"]
 
 
 def hstu_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """Dynamo backend entry: ``fn(gm, example_inputs, **kw)``; accepts ``mode=`` and ``options=``."""
+    gm = _rewritten(gm)
+    patches = {**_compat.mode_options(mode), **(options or {})}
+    patches["post_grad_custom_post_pass"] = _with_audit(patches.get("post_grad_custom_post_pass"))
+    return _compat.compile_fx(gm, example_inputs, patches)
+
+
+def hstu_eager_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+    """``backend="hstu_eager"``: the same rewrites as ``"hstu"``, then AOTAutograd running every op
+    eagerly (Dynamo's ``aot_eager``) instead of Inductor. The hstu ops run their own kernels (Triton
+    on CUDA, the reference on CPU); nothing is generated or built. For bisecting: a result that
+    differs under ``"hstu"`` but not here comes from Inductor's code generation, not from a rewrite.
+    Also a cheap way to see what is rewritten (``explain`` counts are the same)."""
+    if mode not in (None, "default") or options:
+        raise ValueError(f'backend="hstu_eager" runs no Inductor, so it takes no mode or options (got mode={mode!r}, '
+                         f'options={options!r}); use backend="hstu" for those')
+    return _compat.aot_eager(_rewritten(gm), example_inputs)
+
+
+def _rewritten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Steps 1-2 of the module docstring: ``gm`` with its proven HSTU subgraphs replaced (``gm``
+    itself when nothing was rewritten, or when it is a DDP piece of a graph rewritten whole)."""
     config.validate()
     from . import ops  # noqa: F401  (register torch.ops.hstu.*)
     from .patterns import rewrite_dynamo_graph
 
     if getattr(_state, "ddp_pieces", False):
-        rewritten = None  # a piece of a graph already rewritten whole, before the DDP split
-    else:
-        _report_ddp_piece(gm)
-        rewritten = rewrite_dynamo_graph(gm)
-    if rewritten is not None:
-        log.debug("hstu_inductor: rewritten graph\n%s", rewritten.code)
-    patches = {**_compat.mode_options(mode), **(options or {})}
-    patches["post_grad_custom_post_pass"] = _with_audit(patches.get("post_grad_custom_post_pass"))
-    return _compat.compile_fx(rewritten if rewritten is not None else gm, example_inputs, patches)
+        return gm  # a piece of a graph already rewritten whole, before the DDP split
+    _report_ddp_piece(gm)
+    rewritten = rewrite_dynamo_graph(gm)
+    if rewritten is None:
+        return gm
+    log.debug("hstu_inductor: rewritten graph\n%s", rewritten.code)
+    return rewritten
 
 
 _state = threading.local()
@@ -67,7 +88,7 @@ def _rewrite_before_ddp_split(split, backend, gm):
     """DDPOptimizer hook (``_compat.install_ddp_pre_split``): for our backend, rewrite the whole
     Dynamo graph, then let the DDPOptimizer split the result and compile each piece (without a
     second rewrite). Other backends, and graphs we cannot hand over intact, are left alone."""
-    if _compat.unwrap_backend(backend)[0] is not hstu_backend:
+    if _compat.unwrap_backend(backend)[0] not in (hstu_backend, hstu_eager_backend):
         return split(gm)
     from . import ops  # noqa: F401
     from .patterns import rewrite_dynamo_graph
@@ -128,6 +149,8 @@ def register() -> None:
 
     if "hstu" not in _BACKENDS:
         register_backend(hstu_backend, name="hstu")
+    if "hstu_eager" not in _BACKENDS:
+        register_backend(hstu_eager_backend, name="hstu_eager")
     reason = _compat.install_ddp_pre_split(_rewrite_before_ddp_split)
     if reason is not None:
         log.info("hstu_inductor: DDP graph splits not handled (%s); see docs/distributed.md", reason)

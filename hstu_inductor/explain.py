@@ -8,18 +8,25 @@ from .report import RewriteReport, collecting
 __all__ = ["explain"]
 
 
-def explain(model_or_fn, *args, dynamic=None, **kwargs) -> RewriteReport:
+def explain(model_or_fn, *args, dynamic=None, backend: str = "hstu", **kwargs) -> RewriteReport:
     """Compile ``model_or_fn`` with ``backend="hstu"``, run it once on ``args``/``kwargs``, report.
 
     The report's ``.counts`` (``attention``/``preprocess``/``output``), ``.near_misses`` and
     ``.output`` (the compiled result) cover this call only. Dynamo's cache is reset first so
     every graph is compiled (and reported) afresh; note that this also discards code compiled
     earlier in the process (it recompiles on its next call).
-    """
-    from .backend import hstu_backend
 
+    ``backend="hstu_eager"`` makes the same rewrites and decisions but runs the rewritten graphs
+    op by op instead of generating code (much faster to answer on a large model); the report then
+    has no ``lowered`` lines, which describe Inductor's code.
+    """
+    from .backend import hstu_backend, hstu_eager_backend
+
+    backends = {"hstu": hstu_backend, "hstu_eager": hstu_eager_backend}
+    if backend not in backends:
+        raise ValueError(f"explain(backend=...) must be one of {sorted(backends)}, got {backend!r}")
     torch._dynamo.reset()
-    compiled = torch.compile(model_or_fn, backend=hstu_backend, dynamic=dynamic)
+    compiled = torch.compile(model_or_fn, backend=backends[backend], dynamic=dynamic)
     with collecting() as report:
         report.output = compiled(*args, **kwargs)
     return report

@@ -13,8 +13,8 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 quiet() { grep -v -e "is ignored: it is neither" -e "^$" || true; }
 
 # One probe (importing torch once) names what is missing: torch (>=2.11), triton, numpy, the test
-# tools, fbgemm, and the editable install of this checkout (its "hstu" torch_dynamo_backends entry
-# point).
+# tools, fbgemm, and the editable install of this checkout (its "hstu" and "hstu_eager"
+# torch_dynamo_backends entry points).
 missing=$("$VENV/bin/python" - <<'PROBE' 2>/dev/null || echo "torch triton numpy tools fbgemm editable"
 import importlib.util as u, os, sys
 out = []
@@ -34,7 +34,7 @@ except Exception:
 from importlib.metadata import entry_points
 spec = u.find_spec("hstu_inductor")
 here = spec is not None and os.path.dirname(os.path.dirname(spec.origin)) == os.getcwd()
-if not (here and any(e.name == "hstu" for e in entry_points(group="torch_dynamo_backends"))):
+if not (here and {"hstu", "hstu_eager"} <= {e.name for e in entry_points(group="torch_dynamo_backends")}):
     out.append("editable")
 print(" ".join(out))
 PROBE
@@ -61,7 +61,7 @@ if [ $want_test = 1 ] && needs fbgemm; then
   echo "[setup] installing fbgemm-gpu-cpu==1.8.0"
   pip install -q --no-compile --no-deps fbgemm-gpu-cpu==1.8.0 2>&1 | quiet || echo "[setup] fbgemm unavailable; its tests will skip"
 fi
-# Editable install registers the torch_dynamo_backends entry point ("hstu").
+# Editable install registers the torch_dynamo_backends entry points ("hstu", "hstu_eager").
 if needs editable; then
   pip install -q --no-deps --no-build-isolation -e . 2>&1 | quiet
 fi

@@ -6,8 +6,20 @@ spec that the library's vectorised reference is checked against.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
+
+
+# The backend of the rewrite tests (tests/patterns). "hstu_eager" makes the same rewrites as
+# "hstu" (one code path, hstu_inductor.backend._rewritten) and runs the rewritten graph op by op,
+# so these tests check what is rewritten and that it computes what eager does without generating
+# and building C++ for the rest of each graph (about half of such a test's time). Inductor's code
+# around the hstu ops is tested end to end by test_backend_*, test_fuzz_backend, test_explain,
+# test_input_checks, test_export, tests/distributed and the production-size compiles in
+# test_generalize; ``make test-inductor`` runs the rewrite tests through Inductor as well.
+REWRITE_BACKEND = os.environ.get("HSTU_TEST_REWRITE_BACKEND", "hstu_eager")
+assert REWRITE_BACKEND in ("hstu", "hstu_eager"), f"HSTU_TEST_REWRITE_BACKEND={REWRITE_BACKEND!r}"
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

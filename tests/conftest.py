@@ -32,6 +32,11 @@ if not torch.cuda.is_available():
 # Make ``import _helpers`` work however pytest was invoked (rootdir, -p, a single file, ...).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import _triton_interp  # noqa: E402
+
+    _triton_interp.install()  # halves the interpreter's time on our kernels (see the module)
+
 
 def pytest_configure(config):
     # Under xdist, N workers each with an all-core intra-op pool would oversubscribe the CPU:

@@ -28,7 +28,8 @@ _FRESH_SCRIPT = textwrap.dedent(r"""
     def attempt(name, **kw):
         torch._dynamo.reset()
         try:
-            results[name] = {"err": rel(torch.compile(m, backend="hstu", **kw)(x))}
+            with torch.no_grad():  # an inference graph: half the C++ to build, same lookup
+                results[name] = {"err": rel(torch.compile(m, backend="hstu", **kw)(x))}
         except Exception as e:  # report, do not crash: each case is asserted separately
             results[name] = {"exc": f"{type(e).__name__}: {e}"[:2000]}
 
@@ -49,14 +50,15 @@ def fresh_results():
     return json.loads(line[-1][len("RESULTS="):])
 
 
-def test_entry_point_declared():
+@pytest.mark.parametrize("name, attr", [("hstu", "hstu_backend"), ("hstu_eager", "hstu_eager_backend")])
+def test_entry_point_declared(name, attr):
     eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
-    hstu = [ep for ep in eps if ep.name == "hstu"]
-    assert len(hstu) == 1, eps
-    assert hstu[0].value == "hstu_inductor.backend:hstu_backend"
-    import hstu_inductor
+    found = [ep for ep in eps if ep.name == name]
+    assert len(found) == 1, eps
+    assert found[0].value == f"hstu_inductor.backend:{attr}"
+    import hstu_inductor.backend
 
-    assert hstu[0].load() is hstu_inductor.hstu_backend
+    assert found[0].load() is getattr(hstu_inductor.backend, attr)
 
 
 def test_fresh_process_compiles_without_import(fresh_results):
@@ -82,7 +84,7 @@ def test_fresh_process_accepts_options(fresh_results):
 def test_listed_by_dynamo():
     import hstu_inductor  # noqa: F401
 
-    assert "hstu" in torch._dynamo.list_backends()
+    assert {"hstu", "hstu_eager"} <= set(torch._dynamo.list_backends())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,3 +225,68 @@ def test_pattern_pass_uuid_is_stable_and_config_sensitive():
     with hstu_inductor.config.patch(tma="off" if hstu_inductor.config.tma != "off" else "on"):
         assert a.uuid() != base
     assert a.uuid() == base
+
+
+# ------------------------------------------------------------------------------------------------
+# backend="hstu_eager": the same rewrites, run op by op (no Inductor).
+# ------------------------------------------------------------------------------------------------
+def _spelling_with_grads():
+    from hstu_inductor.patterns import spellings_attention as sp
+
+    g = torch.Generator().manual_seed(5)
+    lengths = [3, 0, sp.N, 1]
+    L = sum(lengths)
+    q, k, v = (torch.randn(L, 2, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    off = torch.tensor([0, 3, 3, 3 + sp.N, 4 + sp.N])
+    return sp.einsum_index_put_tril, (q, k, v, off)
+
+
+def test_eager_backend_makes_the_same_rewrites_without_inductor(spy_compile_fx):
+    from hstu_inductor.report import collecting
+
+    fn, args = _spelling_with_grads()
+    ref = fn(*args)
+    ref_grads = torch.autograd.grad(ref.square().sum(), args[:3])
+    results = {}
+    for name in ("hstu_eager", "hstu"):
+        torch._dynamo.reset()
+        spy_compile_fx.clear()
+        with collecting() as report, torch.set_grad_enabled(name == "hstu_eager"):
+            out = torch.compile(fn, backend=name)(*args)
+        assert (out - ref).norm() / ref.norm() < 1e-10, name
+        if name == "hstu_eager":  # its backward (AOTAutograd, eager); "hstu"'s is test_fuzz_backend's
+            grads = torch.autograd.grad(out.square().sum(), args[:3])
+            for got, want in zip(grads, ref_grads):
+                assert (got - want).norm() / want.norm() < 1e-10, name
+        results[name] = (dict(report.counts), list(report.details), list(report.near_misses), len(spy_compile_fx))
+    assert results["hstu_eager"][0]["attention"] == 1, results
+    assert results["hstu_eager"][:3] == results["hstu"][:3]
+    assert results["hstu_eager"][3] == 0 and results["hstu"][3] >= 1  # Inductor only behind "hstu"
+
+
+def test_eager_backend_rejects_inductor_options():
+    for kw in ({"mode": "max-autotune"}, {"options": {"epilogue_fusion": False}}):
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            torch.compile(_pointwise, backend="hstu_eager", **kw)(torch.randn(4))
+        inner = _inner_exception(info.value)
+        assert isinstance(inner, ValueError) and "no mode or options" in str(inner), repr(info.value)
+    torch._dynamo.reset()
+
+
+def test_explain_backend_choice(spy_compile_fx):
+    import hstu_inductor
+
+    fn, args = _spelling_with_grads()
+    with torch.no_grad():
+        fast = hstu_inductor.explain(fn, *args, backend="hstu_eager")
+        assert not spy_compile_fx and not fast.lowered  # no Inductor, so nothing lowered to report
+        full = hstu_inductor.explain(fn, *args)
+        assert spy_compile_fx
+        ref = fn(*args)
+    assert fast.counts == full.counts and fast.counts["attention"] == 1
+    assert fast.details == full.details and fast.near_misses == full.near_misses
+    for report in (fast, full):
+        assert (report.output - ref).norm() / ref.norm() < 1e-10
+    with pytest.raises(ValueError, match="hstu_eager"):
+        hstu_inductor.explain(fn, *args, backend="inductor")

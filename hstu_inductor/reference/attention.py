@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .jagged import _is_concrete, jagged_to_padded, require, lengths_from_offsets, padded_to_jagged, validate_jagged
+from .jagged import (_is_concrete, gather_padded, jagged_to_padded, lengths_from_offsets, padded_rows, padded_to_jagged,
+                     require, row_to_sequence, validate_jagged)
 from .mask import hstu_mask
 
 __all__ = ["hstu_mha", "hstu_mha_backward", "delta_hstu_mha", "validate_attention_inputs"]
@@ -73,9 +74,26 @@ def _row_scale(attn_scale, seq_offsets, max_seq_len, rows_padded_fn):
     return rows_padded_fn(attn_scale).unsqueeze(1).unsqueeze(-1)  # [B, 1, Q, 1]
 
 
+def _pairs(a, b):
+    """``einsum("bihd,bjhd->bhij", a, b)``: per-head products of every row pair of padded tensors.
+    Spelled as one matmul, like :func:`_mix` and :func:`_mix_t`: the ops also trace this body under
+    symbolic sizes (fake impl, AOTAutograd), where an einsum costs several times more."""
+    return a.transpose(1, 2) @ b.permute(0, 2, 3, 1)
+
+
+def _mix(p, x):
+    """``einsum("bhij,bjhd->bihd", p, x)``: rows of ``x`` mixed by ``p`` ([B, H, I, J])."""
+    return (p @ x.transpose(1, 2)).transpose(1, 2)
+
+
+def _mix_t(p, x):
+    """``einsum("bhij,bihd->bjhd", p, x)``: rows of ``x`` mixed by ``p`` transposed."""
+    return (p.transpose(2, 3) @ x.transpose(1, 2)).transpose(1, 2)
+
+
 def _scores(qp, kp, alpha, scale, valid, dropout_pr, training):
     """``valid * silu(alpha * q k^T) * s_i`` (+ dropout) for padded ``[B, Q|N, H, D]`` tensors."""
-    qk = torch.einsum("bihd,bjhd->bhij", qp, kp)
+    qk = _pairs(qp, kp)
     p = F.silu(alpha * qk) * scale
     p = p * valid.unsqueeze(1).to(p.dtype)
     if dropout_pr > 0.0 and training:
@@ -109,14 +127,15 @@ def hstu_mha(
         max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal=causal,
     )
     N, L = max_seq_len, q.shape[0]
-    pad = lambda t: jagged_to_padded(t, seq_offsets, N)  # noqa: E731
+    rows = padded_rows(seq_offsets, N, L)
+    pad = lambda t: gather_padded(t, rows)  # noqa: E731
     valid = hstu_mask(
         lengths_from_offsets(seq_offsets), N, num_targets, max_attn_len,
         contextual_seq_len, min_full_attn_seq_len, causal,
     )
     scale = _row_scale(attn_scale, seq_offsets, N, pad)
     p = _scores(pad(q), pad(k), alpha, scale, valid, dropout_pr, training)
-    out = torch.einsum("bhij,bjhd->bihd", p, pad(v))
+    out = _mix(p, pad(v))
     return padded_to_jagged(out, seq_offsets, L)
 
 
@@ -144,23 +163,25 @@ def hstu_mha_backward(
     ``d_attn_scale`` is None unless ``need_scale_grad``.
     """
     N, L = max_seq_len, q.shape[0]
-    pad = lambda t: jagged_to_padded(t, seq_offsets, N)  # noqa: E731
-    unpad = lambda t: padded_to_jagged(t, seq_offsets, L)  # noqa: E731
+    rows = padded_rows(seq_offsets, N, L)
+    seq, pos = row_to_sequence(seq_offsets, L)
+    pad = lambda t: gather_padded(t, rows)  # noqa: E731
+    unpad = lambda t: t[seq, pos]  # noqa: E731  (padded_to_jagged, sharing the row map)
     valid = hstu_mask(
         lengths_from_offsets(seq_offsets), N, num_targets, max_attn_len,
         contextual_seq_len, min_full_attn_seq_len, causal,
     ).unsqueeze(1).to(q.dtype)  # [B, 1, N, N]
     scale = _row_scale(attn_scale, seq_offsets, N, pad)
     qp, kp, vp, gp = pad(q), pad(k), pad(v), pad(grad)
-    a = alpha * torch.einsum("bihd,bjhd->bhij", qp, kp)
+    a = alpha * _pairs(qp, kp)
     sig = torch.sigmoid(a)
     silu = a * sig
     p = silu * scale * valid
-    dv = torch.einsum("bhij,bihd->bjhd", p, gp)
-    dp = torch.einsum("bihd,bjhd->bhij", gp, vp) * valid
+    dv = _mix_t(p, gp)
+    dp = _pairs(gp, vp) * valid
     da = dp * scale * (sig * (1 + a * (1 - sig)))
-    dq = alpha * torch.einsum("bhij,bjhd->bihd", da, kp)
-    dk = alpha * torch.einsum("bhij,bihd->bjhd", da, qp)
+    dq = alpha * _mix(da, kp)
+    dk = alpha * _mix_t(da, qp)
     d_scale = None
     if need_scale_grad:
         per_row = (dp * silu).sum(dim=(1, 3))  # [B, N]
@@ -202,6 +223,7 @@ def delta_hstu_mha(
     qd = delta_q.reshape(B, D, *delta_q.shape[1:])
     rows = lambda t: t.reshape(B, D)  # noqa: E731
     scale = _row_scale(attn_scale, seq_offsets, N, rows)
-    p = _scores(qd, jagged_to_padded(k, seq_offsets, N), alpha, scale, valid, 0.0, False)
-    out = torch.einsum("bhij,bjhd->bihd", p, jagged_to_padded(v, seq_offsets, N))
+    kv_rows = padded_rows(seq_offsets, N, k.shape[0])
+    p = _scores(qd, gather_padded(k, kv_rows), alpha, scale, valid, 0.0, False)
+    out = _mix(p, gather_padded(v, kv_rows))
     return out.reshape(B * D, *out.shape[2:])

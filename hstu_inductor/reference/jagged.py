@@ -11,6 +11,8 @@ import torch
 __all__ = [
     "lengths_from_offsets",
     "jagged_to_padded",
+    "padded_rows",
+    "gather_padded",
     "padded_to_jagged",
     "row_to_sequence",
     "validate_jagged",
@@ -29,16 +31,24 @@ def jagged_to_padded(
 
     Rows of a sequence longer than ``max_len`` are truncated (callers validate lengths first).
     """
-    B = offsets.shape[0] - 1
-    L = values.shape[0]
-    pos = torch.arange(max_len, device=values.device, dtype=offsets.dtype)
-    lengths = lengths_from_offsets(offsets)
-    valid = pos.unsqueeze(0) < lengths.unsqueeze(1)  # [B, N]
-    # Invalid slots read an extra padding row appended at index L (works for L == 0 too).
-    rows = torch.where(valid, offsets[:-1].unsqueeze(1) + pos.unsqueeze(0), L)
+    return gather_padded(values, padded_rows(offsets, max_len, values.shape[0]), padding_value)
+
+
+def padded_rows(offsets: torch.Tensor, max_len: int, total_len: int) -> torch.Tensor:
+    """``[B, max_len]``: the jagged row each padded slot reads, ``total_len`` (one padding row
+    appended by :func:`gather_padded`, so ``L == 0`` works too) past ``n_b``. Computed once and
+    shared by every tensor padded with the same offsets (each op costs milliseconds when traced
+    with symbolic sizes)."""
+    pos = torch.arange(max_len, device=offsets.device, dtype=offsets.dtype)
+    valid = pos.unsqueeze(0) < lengths_from_offsets(offsets).unsqueeze(1)  # [B, N]
+    return torch.where(valid, offsets[:-1].unsqueeze(1) + pos.unsqueeze(0), total_len)
+
+
+def gather_padded(values: torch.Tensor, rows: torch.Tensor, padding_value: float = 0.0) -> torch.Tensor:
+    """``values: [L, *rest]`` -> ``[*rows.shape, *rest]`` read at :func:`padded_rows` ``rows``."""
     pad_row = values.new_full((1, *values.shape[1:]), padding_value)
     table = torch.cat([values, pad_row], dim=0)
-    return table[rows.reshape(-1)].reshape(B, max_len, *values.shape[1:])
+    return table[rows]
 
 
 def row_to_sequence(offsets: torch.Tensor, total_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from hstu_inductor.patterns import spellings_attention as sp
 from hstu_inductor.reference import hstu_mha
 
 from test_attention_helpers import rewritten_graph, summarize
+from _helpers import REWRITE_BACKEND
 
 H, DQ, DV, D = 2, 4, 3, 2
 LENGTHS = [5, 2, 8, 3]  # every n_b >= D
@@ -54,7 +55,7 @@ def test_delta_spelling_rewritten(name, fresh_dynamo):
     fn, need_nt, scale, w, c = sp.DELTA_SPELLINGS[name]
     q, last, args = delta_inputs(LENGTHS, need_nt, scale, seed=hash(name) % 1000)
     with torch.no_grad():
-        report = hstu_inductor.explain(fn, *args)
+        report = hstu_inductor.explain(fn, *args, backend=REWRITE_BACKEND)
         expected = fn(*args)
     assert report.counts["attention"] == 1, report
     assert "delta (cached) silu attention" in report.details[0][1]
@@ -80,7 +81,7 @@ def test_delta_near_miss(name, fresh_dynamo):
     fn, reason = sp.DELTA_NEAR_MISSES[name]
     _, _, args = delta_inputs(LENGTHS, seed=11)
     with torch.no_grad():
-        report = hstu_inductor.explain(fn, *args)
+        report = hstu_inductor.explain(fn, *args, backend=REWRITE_BACKEND)
         expected = fn(*args)
     assert report.counts["attention"] == 0, report
     misses = [r for kind, r in report.near_misses if kind == "attention"]
@@ -93,7 +94,7 @@ def test_delta_training_left_alone(fresh_dynamo):
     gradients stay those of eager."""
     _, _, args = delta_inputs(LENGTHS, seed=12, requires_grad=True)
     _, _, args_e = delta_inputs(LENGTHS, seed=12, requires_grad=True)
-    report = hstu_inductor.explain(sp.delta_reference, *args)
+    report = hstu_inductor.explain(sp.delta_reference, *args, backend=REWRITE_BACKEND)
     assert report.counts["attention"] == 0, report
     assert any("delta attention op is inference-only" in r for _, r in report.near_misses), report
     ref = sp.delta_reference(*args_e)

@@ -9,6 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from hstu_inductor.report import collecting
 
 from test_attention_helpers import grad_leaves, spelling_inputs
+from _helpers import REWRITE_BACKEND
 
 CALLS = [(5, 0, 8, 3), (2, 7, 1), (8, 8, 4, 6, 1), (3, 3)]
 
@@ -21,7 +22,7 @@ CASES += [("uvqk_split_padded", "automatic"), ("row_scale_after_pv", "mark_dynam
 
 @pytest.mark.parametrize("name,mode", CASES)
 def test_dynamic_batch_and_length(name, mode, fresh_dynamo):
-    counter = CompileCounterWithBackend("hstu")
+    counter = CompileCounterWithBackend(REWRITE_BACKEND)
     compiled = None
     rewrites = []
     for i, lengths in enumerate(CALLS):

@@ -14,6 +14,7 @@ from hstu_inductor.report import collecting
 from test_attention_helpers import grad_leaves, spelling_inputs
 
 import importlib.util
+from _helpers import REWRITE_BACKEND
 
 HAS_FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
 REWRITTEN = list(sp.SPELLINGS)  # every spelling of the table
@@ -27,7 +28,7 @@ def test_dynamic_true_rewritten_and_equal(name):
     fn, args = spelling_inputs(name, requires_grad=differentiable)
     torch._dynamo.reset()
     with collecting() as report:
-        out = torch.compile(fn, backend="hstu", dynamic=True)(*args)
+        out = torch.compile(fn, backend=REWRITE_BACKEND, dynamic=True)(*args)
     assert report.counts["attention"] >= 1, report.near_misses
     assert not [r for k, r in report.near_misses if k == "attention"], report.near_misses
     ref = fn(*args)
@@ -47,7 +48,7 @@ def test_changed_float_global_never_silently_stale(monkeypatch):
     naming it or computes with the new value (a recompile), never with the old one."""
     fn, args = spelling_inputs("einsum_index_put_tril")
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="hstu", dynamic=True)
+    compiled = torch.compile(fn, backend=REWRITE_BACKEND, dynamic=True)
     with collecting() as report:
         compiled(*args)
     assert report.counts["attention"] >= 1
@@ -67,7 +68,7 @@ def test_dynamic_true_near_misses_untouched(name):
     _, args = spelling_inputs("einsum_index_put_tril")
     torch._dynamo.reset()
     with collecting() as report:
-        out = torch.compile(fn, backend="hstu", dynamic=True)(*args)
+        out = torch.compile(fn, backend=REWRITE_BACKEND, dynamic=True)(*args)
     assert report.counts["attention"] == 0 and report.near_misses
     ref = fn(*args)
     assert ((out - ref).norm() / ref.norm()) < 1e-5

@@ -10,6 +10,7 @@ from hstu_inductor.patterns import spellings_attention as sp
 from hstu_inductor.report import collecting
 
 from test_attention_helpers import make_inputs
+from _helpers import REWRITE_BACKEND
 
 LENGTHS = [5, 0, 8, 1, 3]
 
@@ -29,7 +30,7 @@ def test_near_miss_not_rewritten(name, fresh_dynamo):
         ctx = torch._inductor.config.patch({})
     with ctx, torch.no_grad():
         torch.manual_seed(0)
-        report = hstu_inductor.explain(fn, *args)
+        report = hstu_inductor.explain(fn, *args, backend=REWRITE_BACKEND)
         torch.manual_seed(0)
         expected = fn(*args)
     assert report.counts["attention"] == 0, report
@@ -55,7 +56,7 @@ def test_nested_training_left_alone(fresh_dynamo):
     ATen retrace (a detach appears): in training the graph is not retraced, gradients stay eager's."""
     args = make_inputs(LENGTHS, requires_grad=True, seed=4)
     args_e = make_inputs(LENGTHS, requires_grad=True, seed=4)
-    compiled = torch.compile(_nested_no_output_size, backend="hstu")
+    compiled = torch.compile(_nested_no_output_size, backend=REWRITE_BACKEND)
     with collecting() as report:
         out = compiled(*args)
     assert report.counts["attention"] == 0
@@ -79,7 +80,7 @@ def test_mask_of_wrong_length_constant(fresh_dynamo):
 
     args = make_inputs(LENGTHS, seed=5)
     with torch.no_grad():
-        report = hstu_inductor.explain(fn, *args)
+        report = hstu_inductor.explain(fn, *args, backend=REWRITE_BACKEND)
         expected = fn(*args)
     # raw-position window of 2 == HSTU max_attn_len=2 without targets/contextual: rewritten
     assert report.counts["attention"] == 1, report
@@ -98,7 +99,7 @@ def test_row_scale_after_unpad_not_per_row_stays_outside(fresh_dynamo):
 
     args = make_inputs(LENGTHS, scale="row", seed=6)
     with torch.no_grad():
-        report = hstu_inductor.explain(fn, *args)
+        report = hstu_inductor.explain(fn, *args, backend=REWRITE_BACKEND)
         expected = fn(*args)
     assert report.counts["attention"] == 1, report
     assert "scale=1/N" in report.details[0][1], report

@@ -13,6 +13,7 @@ from hstu_inductor.patterns import spellings_attention as sp
 from hstu_inductor.report import collecting
 
 from test_attention_helpers import grad_leaves, rewritten_graph, spelling_inputs, summarize
+from _helpers import REWRITE_BACKEND
 
 HAS_FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
 
@@ -31,7 +32,7 @@ def test_inference_matches_eager(name, fresh_dynamo):
     _skip(name)
     fn, args = spelling_inputs(name)
     with torch.no_grad():
-        report = hstu_inductor.explain(fn, *args)
+        report = hstu_inductor.explain(fn, *args, backend=REWRITE_BACKEND)
         expected = fn(*args)
     assert report.counts["attention"] == 1, report
     assert not _attention_misses(report), report
@@ -46,7 +47,7 @@ def test_training_matches_eager(name, fresh_dynamo):
     if args[-1] is not None:  # attn_scale gets a gradient too
         args[-1].requires_grad_(True)
         args_eager[-1].requires_grad_(True)
-    compiled = torch.compile(fn, backend="hstu")
+    compiled = torch.compile(fn, backend=REWRITE_BACKEND)
     with collecting() as report:
         out = compiled(*args)
     ref = fn_eager(*args_eager)
@@ -72,7 +73,7 @@ class TestRewrittenGraphs(expecttest.TestCase):
         return summarize(gm)
 
     def test_reference(self):
-        self.assertExpectedInline(self.graph("reference"), """attention_default = hstu.attention.default(arg1_1, arg2_1, arg3_1, arg0_1, 8, 0.5, arg4_1, None, 0, 0, 0, True)""")
+        self.assertExpectedInline(self.graph("reference"), """attention_default = hstu.attention.default(arg0_1, arg1_1, arg2_1, arg3_1, 8, 0.5, arg4_1, None, 0, 0, 0, True)""")
 
     def test_einsum_index_put_tril(self):
         self.assertExpectedInline(self.graph("einsum_index_put_tril"), """attention_default = hstu.attention.default(arg1_1, arg2_1, arg3_1, arg0_1, 8, 0.5, None, None, 0, 0, 0, True)""")

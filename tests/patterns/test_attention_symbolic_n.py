@@ -11,6 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from hstu_inductor.reference import hstu_mha
 from hstu_inductor.report import collecting
+from _helpers import REWRITE_BACKEND
 
 ALPHA = 0.5
 H, D = 2, 4
@@ -216,7 +217,7 @@ CASES = [(name, False) for name in SPELLINGS] + [
 @pytest.mark.parametrize("name,train", CASES, ids=[f"{n}-{'training' if t else 'inference'}" for n, t in CASES])
 def test_symbolic_n_rewritten(name, train, fresh_dynamo):
     fn, need_nt, scale = SPELLINGS[name]
-    counter = CompileCounterWithBackend("hstu")
+    counter = CompileCounterWithBackend(REWRITE_BACKEND)
     reports = _run(fn, torch.compile(fn, backend=counter), CALLS, need_nt, scale, train)
     assert counter.frame_count == 2, counter.frame_count  # static N=8, then one dynamic graph
     assert [r.counts["attention"] for r in reports] == [1, 1, 0], reports
@@ -227,7 +228,7 @@ def test_symbolic_n_rewritten(name, train, fresh_dynamo):
 def test_symbolic_n_only_n_changes(fresh_dynamo):
     """Same lengths every call (B, L stay static), only N changes: probes keep B and L."""
     calls = [(N, [5, 0, 8, 1, 3]) for N, _ in CALLS]
-    counter = CompileCounterWithBackend("hstu")
+    counter = CompileCounterWithBackend(REWRITE_BACKEND)
     reports = _run(reference_n, torch.compile(reference_n, backend=counter), calls, train=True)
     assert counter.frame_count == 2
     assert [r.counts["attention"] for r in reports] == [1, 1, 0], reports
@@ -242,7 +243,7 @@ def test_symbolic_n_from_marked_padded_input(fresh_dynamo):
         torch._dynamo.mark_dynamic(template, 1)
         return q, k, v, offsets, template, nt, s
 
-    counter = CompileCounterWithBackend("hstu")
+    counter = CompileCounterWithBackend(REWRITE_BACKEND)
     fn = size_of_padded_input
     reports = _run(fn, torch.compile(fn, backend=counter), CALLS, train=True, tweak=tweak)
     assert counter.frame_count <= 2, counter.frame_count
@@ -257,7 +258,7 @@ def test_symbolic_n_constant_scale_is_not_inv_n(fresh_dynamo):
         i, j = _ij(N)
         return _attend(q, k, v, offsets, N, j <= i, 1.0 / 8)
 
-    counter = CompileCounterWithBackend("hstu")
+    counter = CompileCounterWithBackend(REWRITE_BACKEND)
     reports = _run(fn, torch.compile(fn, backend=counter), CALLS, train=True)
     assert counter.frame_count == 2
     assert reports[1].counts["attention"] == 1, reports[1]
@@ -267,7 +268,7 @@ def test_symbolic_n_constant_scale_is_not_inv_n(fresh_dynamo):
 @pytest.mark.parametrize("name", list(NEAR_MISSES))
 def test_symbolic_n_near_miss(name, fresh_dynamo):
     fn, reason = NEAR_MISSES[name]
-    counter = CompileCounterWithBackend("hstu")
+    counter = CompileCounterWithBackend(REWRITE_BACKEND)
     reports = _run(fn, torch.compile(fn, backend=counter), CALLS)
     assert counter.frame_count == 2
     dyn = reports[1]

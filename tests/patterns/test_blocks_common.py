@@ -12,6 +12,7 @@ import torch
 import hstu_inductor
 from hstu_inductor.patterns import rewrite_dynamo_graph
 from hstu_inductor.report import collecting
+from _helpers import REWRITE_BACKEND
 
 __all__ = ["rewritten", "summary", "check_compiled", "explain", "assert_near_miss"]
 
@@ -57,7 +58,7 @@ def summary(gm: torch.fx.GraphModule) -> str:
 
 
 def explain(fn, *args):
-    return hstu_inductor.explain(fn, *args)
+    return hstu_inductor.explain(fn, *args, backend=REWRITE_BACKEND)
 
 
 def _grads(out, params_and_inputs, seed):
@@ -69,11 +70,11 @@ def _grads(out, params_and_inputs, seed):
 
 
 def check_compiled(module: torch.nn.Module, *inputs, train=True, rtol=1e-4, grad_rtol=1e-3, counts=None):
-    """``torch.compile(m, backend="hstu")`` equals eager for outputs (and, with ``train``, for the
+    """``torch.compile(m, backend=REWRITE_BACKEND)`` equals eager for outputs (and, with ``train``, for the
     gradients of every parameter and floating input); the rewrite counts are ``counts``."""
     ref = copy.deepcopy(module)
     torch._dynamo.reset()
-    compiled = torch.compile(module, backend="hstu")
+    compiled = torch.compile(module, backend=REWRITE_BACKEND)
     def is_float(i):
         return isinstance(i, torch.Tensor) and i.is_floating_point()
 

@@ -10,6 +10,7 @@ from hstu_inductor.patterns import blocks
 from hstu_inductor.reference import HSTUModel, STULayer
 from hstu_inductor.report import RewriteReport, collecting
 from test_blocks_common import check_compiled, rewritten
+from _helpers import REWRITE_BACKEND
 
 E, H, DQ, DV, N = 16, 2, 4, 8, 8
 
@@ -49,7 +50,7 @@ class TestReferenceModel(TestCase):
         self.assertTrue(any("dropout(train, p=0.2)" in d for k, d in rep.details if k == "output"))
         x, off = _batch([3, 5])
         torch._dynamo.reset()
-        cm = torch.compile(m, backend="hstu")
+        cm = torch.compile(m, backend=REWRITE_BACKEND)
         torch.manual_seed(3)
         a = cm(x, off, N)
         torch.manual_seed(3)
@@ -61,7 +62,7 @@ class TestReferenceModel(TestCase):
         torch.manual_seed(0)
         model = HSTUModel(50, N, embedding_dim=E, num_layers=3, num_heads=H, attn_dim=DQ, hidden_dim=DV)
         ids, off = torch.randint(0, 50, (9,)), torch.tensor([0, 4, 9])
-        rep = hstu_inductor.explain(model, ids, off)
+        rep = hstu_inductor.explain(model, ids, off, backend=REWRITE_BACKEND)
         self.assertEqual((rep.counts["preprocess"], rep.counts["output"]), (3, 3), str(rep))
         torch.testing.assert_close(rep.output, model(ids, off), rtol=1e-4, atol=1e-4)
         check_compiled(model, ids, off, train=True, counts={"preprocess": 3, "output": 3})
@@ -69,7 +70,7 @@ class TestReferenceModel(TestCase):
     def test_dynamic_length_one_recompile(self):
         m = _layer(concat_ua=True)
         torch._dynamo.reset()
-        compiled = torch.compile(m, backend="hstu")
+        compiled = torch.compile(m, backend=REWRITE_BACKEND)
         with collecting() as rep:
             for i, lengths in enumerate(([3, 4], [5, 6], [2, 7], [8, 1])):
                 x, off = _batch(lengths, seed=i)

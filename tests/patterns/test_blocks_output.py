@@ -9,6 +9,7 @@ from torch import nn
 import hstu_inductor  # noqa: F401
 from hstu_inductor import reference
 from test_blocks_common import assert_near_miss, check_compiled, rewritten, summary
+from _helpers import REWRITE_BACKEND
 
 E, H, DV, L = 16, 2, 4, 7
 C = H * DV
@@ -270,7 +271,7 @@ getitem_5 = getitem(stu_output_save_default, 0)""")
         m = self._model()
         attn, u, x = (t.requires_grad_() for t in self._inputs(rows, seed=3))
         torch._dynamo.reset()
-        cm = torch.compile(m, backend="hstu")
+        cm = torch.compile(m, backend=REWRITE_BACKEND)
         torch.manual_seed(11)
         out = cm(attn, u, x)
         torch.manual_seed(11)

@@ -13,6 +13,7 @@ from public_style_models import PublicStyleStack  # noqa: E402
 from test_blocks_common import check_compiled, rewritten  # noqa: E402
 
 from hstu_inductor.patterns import rewrite_dynamo_graph  # noqa: E402
+from _helpers import REWRITE_BACKEND
 
 E, H, DQ, DV, N, LAYERS = 16, 2, 4, 8, 8, 2
 
@@ -95,7 +96,7 @@ class TestPublicStyles(TestCase):
         self.assertEqual(dict(rep.counts), EVERY_LAYER, rep.near_misses)
         torch._dynamo.reset()
         with torch.no_grad():
-            got = torch.compile(m, backend="hstu")(x, off, N, targets, scale).double()
+            got = torch.compile(m, backend=REWRITE_BACKEND)(x, off, N, targets, scale).double()
             want = m(x, off, N, targets, scale).double()
         self.assertLess(((got - want).norm() / want.norm()).item(), 2e-2)
 

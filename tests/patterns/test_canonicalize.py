@@ -13,6 +13,7 @@ from hstu_inductor.reference.jagged import jagged_to_padded
 from hstu_inductor.report import collecting
 
 from test_attention_helpers import grad_leaves, make_inputs
+from _helpers import REWRITE_BACKEND
 
 
 def _offsets(lengths, dtype=torch.int64):
@@ -186,7 +187,7 @@ def test_training_graph_with_grad_nested_tensor_not_retraced(fresh_dynamo):
     args = make_inputs([5, 0, 8, 1, 3], requires_grad=True, seed=7)
     args_e = make_inputs([5, 0, 8, 1, 3], requires_grad=True, seed=7)
     with collecting() as report:
-        out = torch.compile(_attention_and_nested, backend="hstu")(*args)
+        out = torch.compile(_attention_and_nested, backend=REWRITE_BACKEND)(*args)
     assert report.counts["attention"] == 0, report
     assert any(kind == "graph" and "detach" in r for kind, r in report.near_misses), report
     ref = _attention_and_nested(*args_e)
@@ -196,7 +197,7 @@ def test_training_graph_with_grad_nested_tensor_not_retraced(fresh_dynamo):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
     # in inference the same graph is retraced and the attention rewritten
     with torch.no_grad():
-        report = hstu_inductor.explain(_attention_and_nested, *args)
+        report = hstu_inductor.explain(_attention_and_nested, *args, backend=REWRITE_BACKEND)
         want = _attention_and_nested(*args)
     assert report.counts["attention"] == 1, report
     torch.testing.assert_close(report.output, want, rtol=1e-4, atol=1e-5)
@@ -210,7 +211,7 @@ def test_training_nested_spellings_match_eager(name, fresh_dynamo):
     args = make_inputs([5, 0, 8, 1, 3], requires_grad=True, seed=8)
     args_e = make_inputs([5, 0, 8, 1, 3], requires_grad=True, seed=8)
     with collecting() as report:
-        out = torch.compile(fn, backend="hstu")(*args)
+        out = torch.compile(fn, backend=REWRITE_BACKEND)(*args)
     assert report.counts["attention"] == (1 if name == "nested_padded" else 0), report
     ref = fn(*args_e)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
