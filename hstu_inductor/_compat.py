@@ -59,10 +59,16 @@ def compile_fx(gm, example_inputs, config_patches=None):
 
 def aot_eager(gm, example_inputs):
     """Dynamo's ``aot_eager`` backend on ``gm``: AOTAutograd (functionalisation, joint graph,
-    partition) with the graphs run op by op, no Inductor."""
+    partition) with the graphs run op by op, no Inductor. The ``triton_op`` s stay single nodes
+    that run their own bodies (as under ``torch.export``), instead of being traced into the graph
+    for Inductor: cheaper to compile, and each hstu op runs exactly what its eager call runs."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    return lookup_backend("aot_eager")(gm, example_inputs)
+    functorch_config = torch._functorch.config
+    if not hasattr(functorch_config, "decompose_custom_triton_ops"):  # older torch: traced into
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    with functorch_config.patch(decompose_custom_triton_ops=False):
+        return lookup_backend("aot_eager")(gm, example_inputs)
 
 
 def mode_options(mode: str | None) -> dict:

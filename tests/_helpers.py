@@ -13,11 +13,12 @@ import torch
 
 # The backend of the rewrite tests (tests/patterns). "hstu_eager" makes the same rewrites as
 # "hstu" (one code path, hstu_inductor.backend._rewritten) and runs the rewritten graph op by op,
-# so these tests check what is rewritten and that it computes what eager does without generating
-# and building C++ for the rest of each graph (about half of such a test's time). Inductor's code
-# around the hstu ops is tested end to end by test_backend_*, test_fuzz_backend, test_explain,
-# test_input_checks, test_export, tests/distributed and the production-size compiles in
-# test_generalize; ``make test-inductor`` runs the rewrite tests through Inductor as well.
+# each hstu op as one call, so these tests check what is rewritten and that it computes what eager
+# does without tracing the ops' bodies into the graph or generating and building C++ (together
+# about three quarters of such a test's time). The ops traced into Inductor's graphs are tested end
+# to end by test_backend_*, test_fuzz_backend, test_explain, test_input_checks, test_export,
+# opcheck's AOT tests, tests/distributed and the production-size compiles in test_generalize;
+# ``make test-inductor`` runs the rewrite tests through Inductor as well.
 REWRITE_BACKEND = os.environ.get("HSTU_TEST_REWRITE_BACKEND", "hstu_eager")
 assert REWRITE_BACKEND in ("hstu", "hstu_eager"), f"HSTU_TEST_REWRITE_BACKEND={REWRITE_BACKEND!r}"
 

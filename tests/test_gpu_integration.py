@@ -50,12 +50,15 @@ def test_attention_op_fwd_bwd_cuda(dtype):
         assert rel_err(g.double(), rg) < tol
 
 
+@pytest.mark.parametrize("backend", ["hstu", "hstu_eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_backend_attention_matches_reference(dtype):
+def test_backend_attention_matches_reference(dtype, backend):
     """backend="hstu" on the plain reference at a real shape, every dtype, fwd and grads vs fp64.
 
     Guards the Inductor path itself: it launches the kernels with its own argument handling (for
-    example Python floats become fp64 kernel arguments), which a direct-launch test never sees."""
+    example Python floats become fp64 kernel arguments), which a direct-launch test never sees.
+    "hstu_eager" runs the same rewritten graph through AOTAutograd eagerly (the kernels launched
+    by the ops' own bodies)."""
     N, H, D = 1024, 2, 128
     g = torch.Generator().manual_seed(5)
     lengths = [N, 1, 0, *torch.randint(N // 2, N, (5,), generator=g).tolist()]
@@ -66,7 +69,7 @@ def test_backend_attention_matches_reference(dtype):
         return hstu_mha(N, 1.0 / D, q, k, v, off, causal=True, num_targets=nt)
 
     torch._dynamo.reset()
-    compiled = torch.compile(attn, backend="hstu")
+    compiled = torch.compile(attn, backend=backend)
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
     with hstu_inductor.report.collecting() as report:
         out = compiled(qq, kk, vv, off, nt)

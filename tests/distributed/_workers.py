@@ -4,7 +4,8 @@ Each case trains one step of a tiny HSTU model twice, eagerly and with ``backend
 the same distributed wrapper, from the same weights and per-rank batches, and returns plain data:
 rewrite counts, near misses, Dynamo graph/recompile counts, losses, gradients, collective counts.
 
-Speed: the backend's Inductor step is replaced by ``aot_eager`` (``fast_inner_compile``). What is
+Speed: the backend's Inductor step is replaced by ``aot_eager`` as in ``backend="hstu_eager"``
+(``fast_inner_compile``). What is
 under test is what reaches the compiler (the rewrites, the DDP split, the gradients through the
 hstu ops' autograd); Inductor's code generation for the pieces is the same as without DDP and is
 covered by the single-process tests (and by the ``slow`` test that keeps Inductor on).
@@ -25,16 +26,16 @@ SMALL_BUCKET_BYTES = 4096  # with the tiny model, several DDP buckets (and DDPOp
 
 
 def fast_inner_compile() -> list:
-    """Compile what the backend hands to Inductor with ``aot_eager`` instead; returns the list of
-    graphs it receives (one per compiled piece)."""
+    """Compile what the backend hands to Inductor as ``backend="hstu_eager"`` does (``aot_eager``,
+    hstu ops kept whole) instead; returns the list of graphs it receives (one per compiled piece)."""
     import hstu_inductor
-    from torch._dynamo.backends.registry import lookup_backend
 
     pieces = []
+    aot_eager = hstu_inductor._compat.aot_eager
 
     def compile_fx(gm, example_inputs, config_patches=None):
         pieces.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
+        return aot_eager(gm, example_inputs)
 
     hstu_inductor._compat.compile_fx = compile_fx
     return pieces
