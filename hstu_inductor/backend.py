@@ -44,9 +44,10 @@ def hstu_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = No
 def hstu_eager_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """``backend="hstu_eager"``: the same rewrites as ``"hstu"``, then AOTAutograd running every op
     eagerly (Dynamo's ``aot_eager``) instead of Inductor. Each hstu op stays one call of its own
-    implementation (Triton kernels on CUDA, the reference on CPU); nothing is generated or built. For bisecting: a result that
-    differs under ``"hstu"`` but not here comes from Inductor's code generation, not from a rewrite.
-    Also a cheap way to see what is rewritten (``explain`` counts are the same)."""
+    implementation (Triton kernels on CUDA, the reference on CPU); nothing is generated or built.
+    For bisecting: a result that differs under ``"hstu"`` but not here comes from Inductor's code
+    generation, not from a rewrite. Also a cheap way to see what is rewritten (``explain`` counts
+    are the same)."""
     if mode not in (None, "default") or options:
         raise ValueError(f'backend="hstu_eager" runs no Inductor, so it takes no mode or options (got mode={mode!r}, '
                          f'options={options!r}); use backend="hstu" for those')
