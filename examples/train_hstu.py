@@ -113,6 +113,9 @@ def main(argv=None):
                    help="DistributedDataParallel: spawn N local processes, or (no N) join the torchrun job")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size (with --ddp)")
     args = p.parse_args(argv)
+    if args.steps < 10:  # the check compares the first 5 steps' loss with the last 5's
+        p.error(f"--steps must be at least 10 (got {args.steps}): the run passes when the mean loss of the "
+                "last 5 steps is below that of the first 5")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda requested but CUDA is not available")
     if args.bucket_cap_mb < 1:  # torch: "First bucket should be smaller/equal to other buckets"
