@@ -62,12 +62,15 @@ def aot_eager(gm, example_inputs):
     partition) with the graphs run op by op, no Inductor. The ``triton_op`` s stay single nodes
     that run their own bodies (as under ``torch.export``), instead of being traced into the graph
     for Inductor: cheaper to compile, and each hstu op runs exactly what its eager call runs."""
+    import contextlib
+
     from torch._dynamo.backends.registry import lookup_backend
 
     functorch_config = torch._functorch.config
-    if not hasattr(functorch_config, "decompose_custom_triton_ops"):  # older torch: traced into
-        return lookup_backend("aot_eager")(gm, example_inputs)
-    with functorch_config.patch(decompose_custom_triton_ops=False):
+    keep_whole = (functorch_config.patch(decompose_custom_triton_ops=False)
+                  if hasattr(functorch_config, "decompose_custom_triton_ops")
+                  else contextlib.nullcontext())  # older torch (2.11): the bodies are traced in
+    with keep_whole:
         return lookup_backend("aot_eager")(gm, example_inputs)
 
 

@@ -10,6 +10,8 @@ import textwrap
 import pytest
 import torch
 
+from _helpers import offsets_from_lengths
+
 # The script runs in a FRESH interpreter and never imports hstu_inductor itself: torch.compile must
 # find the backend through the ``torch_dynamo_backends`` entry point.
 _FRESH_SCRIPT = textwrap.dedent(r"""
@@ -237,8 +239,7 @@ def _spelling_with_grads():
     lengths = [3, 0, sp.N, 1]
     L = sum(lengths)
     q, k, v = (torch.randn(L, 2, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    off = torch.tensor([0, 3, 3, 3 + sp.N, 4 + sp.N])
-    return sp.einsum_index_put_tril, (q, k, v, off)
+    return sp.einsum_index_put_tril, (q, k, v, offsets_from_lengths(lengths))
 
 
 def test_eager_backend_makes_the_same_rewrites_without_inductor(spy_compile_fx):

@@ -5,10 +5,10 @@ the same distributed wrapper, from the same weights and per-rank batches, and re
 rewrite counts, near misses, Dynamo graph/recompile counts, losses, gradients, collective counts.
 
 Speed: the backend's Inductor step is replaced by ``aot_eager`` as in ``backend="hstu_eager"``
-(``fast_inner_compile``). What is
-under test is what reaches the compiler (the rewrites, the DDP split, the gradients through the
-hstu ops' autograd); Inductor's code generation for the pieces is the same as without DDP and is
-covered by the single-process tests (and by the ``slow`` test that keeps Inductor on).
+(``fast_inner_compile``). What is under test is what reaches the compiler (the rewrites, the DDP
+split, the gradients through the hstu ops' autograd); Inductor's code generation for the pieces is
+the same as without DDP and is covered by the single-process tests (and by the ``slow`` test that
+keeps Inductor on).
 """
 from __future__ import annotations
 
