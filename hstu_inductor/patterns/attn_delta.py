@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -45,11 +46,11 @@ from ..reference import hstu_mask
 from . import attn_layout as lay
 from .attn_emit import describe_scale, emit_call, emit_scale, regroup, replace_output
 from .attn_find import (
-    SCALAR_MUL, Operand, find_operand, is_float, is_int_tensor, is_pad, meta_val, op_name, size_hint, walk_forward,
-    walk_operand, walk_sliced,
+    SCALAR_MUL, Operand, find_operand, is_float, is_int_tensor, is_pad, is_square, meta_val, op_name,
+    retry_sources, size_hint, walk_forward, walk_operand, walk_sliced,
 )
 from .attn_prove import (
-    check_leaves, check_pad, fit_alpha, probe_cost, probe_inputs, probe_scale, sample_in_sequence,
+    check_leaves, check_pads, fit_alpha, past_pads, probe_cost, probe_inputs, probe_scale, sample_in_sequence,
 )
 from .attn_structure import (
     Plan, check_tiles, dim_key, feature_axes, is_dead, mode_key, score_modes, score_subgraph, side_inputs,
@@ -82,7 +83,9 @@ def is_candidate(S, pv) -> bool:
     qD, _, _ = walk_sliced(S.args[0])
     kD, _, _ = walk_sliced(S.args[1])
     vD, _, _ = walk_sliced(pv.args[1])
-    return (not is_pad(qD)) and is_float(qD) and is_pad(kD) and is_pad(vD)
+    # a square score product with padded queries is full attention; a rectangular one may read
+    # queries gathered from a padded or jagged tensor
+    return is_float(qD) and is_pad(kD) and is_pad(vD) and (not is_pad(qD) or not is_square(S))
 
 
 def _delta_rows(B, R):
@@ -118,8 +121,12 @@ def _delta_rows(B, R):
 
 def prove_delta(gm, S, pv):
     """Structural and numeric proof of a cached-attention candidate; returns the plan or raises."""
+    return retry_sources(functools.partial(_prove_delta, gm, S, pv))
+
+
+def _prove_delta(gm, S, pv, sources):
     qsrc, qops, qfactor = walk_operand(S.args[0])
-    k = find_operand(S.args[1], "q")
+    k = find_operand(S.args[1], "q", sources)
     order, leaves = closure([k.D], {k.src})
     ints = [x for x in leaves if is_int_tensor(x)]
     if len(ints) != 1 or meta_val(ints[0]).dim() != 1:
@@ -129,11 +136,11 @@ def prove_delta(gm, S, pv):
     R0 = sym_expr(meta_val(qsrc).shape[0])
     Dd, canon = _delta_rows(B0, R0)
     with lay.canonical(canon) if canon is not None else contextlib.nullcontext():
-        return _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0)
+        return _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0, sources)
 
 
-def _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0):
-    v = find_operand(pv.args[1], "v")
+def _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0, sources):
+    v = find_operand(pv.args[1], "v", sources)
     q = Operand(S.args[0], qsrc, qops, qfactor, qsrc, "q")
     # features as one flat logical axis per source: delta_q [R, H, Dq] and k [L, H*Dq] line up
     fq, axq = _flat_features(qsrc, "q")
@@ -227,15 +234,20 @@ def _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0):
     # ---- numeric proof
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily(), torch.no_grad():
+    with past_pads(plan), unset_fake_temporarily(), torch.no_grad():
         _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, fo)
 
     # ---- inference only
     if _may_need_grad([qsrc, k.src, v.src, scale_leaf]):
-        raise Decline("delta attention op is inference-only (hstu.delta_attention has no autograd) and "
+        raise DeclinePastPads("delta attention op is inference-only (hstu.delta_attention has no autograd) and "
                       "gradients may be needed here (grad mode on while compiling, or inputs require grad); "
                       "run under torch.no_grad()/inference_mode to rewrite it")
     return plan
+
+
+class DeclinePastPads(Decline):
+    """A candidate declined after its whole proof (pads included) went through."""
+    past_pads = True
 
 
 def _flat_features(src, prefix):
@@ -391,8 +403,8 @@ def _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, f
         if cost > _MAX_PROBE_ELEMS:
             raise Decline(f"too large to prove numerically at these static sizes ({cost:.2g} elements per probe)")
 
-        for x, order in pads:
-            check_pad(gm, x, order, env0, binding, off, N, gen)
+        check_pads(gm, pads, env0, binding, off, N, gen)
+        plan.pads_proven = True
 
         Sc = lay.concretize(S_layout, binding)
         Sshape = [concrete(s, binding) for s in meta_val(plan.S).shape]

@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 import operator
 
+import sympy
 import torch
 
 from .attn_find import Operand, meta_val, op_name
 from .attn_layout import arg_value
 from .attn_structure import Plan, mode_key
-from .prover import is_static
+from .prover import is_static, sym_expr
 from .sizes import emit_source, size_source
 
 aten = torch.ops.aten
@@ -113,12 +114,26 @@ def rewrite(gm, plan: Plan):
         dtype = meta_val(q.src).dtype
         plan.N_arg = emit_n(graph, plan)
         scale = emit_scale(graph, plan, dtype, meta_val(q.src).device)
-        causal, w, c, f = plan.params
+        causal, w, c, f = (emit_param(graph, x) for x in plan.params)
         plan.offsets_arg = emit_offsets(graph, plan)
         y = emit_call(graph, torch.ops.hstu.attention.default,
                   [q3, k3, v3, plan.offsets_arg, plan.N_arg, plan.alpha, plan.num_targets, scale, w, c, f,
                    causal])
         replace_output(graph, plan, y, dtype)
+
+
+def emit_param(graph, x):
+    """A mask parameter as the op takes it: an int, or (a mask constant's symbol, plus or minus
+    one, in a generalised graph) the ``SymInt`` input holding it."""
+    if not isinstance(x, sympy.Expr):
+        return x
+    if x.is_Integer:
+        return int(x)
+    (sym,) = x.free_symbols
+    node = next(n for n in graph.find_nodes(op="placeholder")
+                if isinstance(meta_val(n), torch.SymInt) and sym_expr(meta_val(n)) == sym)
+    d = int(x - sym)
+    return emit_call(graph, operator.add, [node, d]) if d else node
 
 
 def emit_n(graph, plan):
@@ -194,7 +209,8 @@ def describe_scale(plan) -> str:
 
 
 def describe(plan: Plan) -> str:
-    causal, w, c, f = plan.params
+    causal, w, c, f = (int(sympy.sympify(x).subs(plan.constants)) if isinstance(x, sympy.Expr) else x
+                       for x in plan.params)
     parts = [f"N={plan.N}" + ("" if isinstance(plan.N, int) else " (symbolic)"), f"alpha={plan.alpha:g}", f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
     parts.append(describe_scale(plan))
     if plan.num_targets is not None:

@@ -3,8 +3,9 @@
 A candidate is anchored at a ``bmm`` ``O = X @ Y`` whose left operand ``X`` is reached from another
 ``bmm`` ``S = A @ K`` through shape-preserving ops only (:func:`find_score_product`). Each ``bmm``
 operand is followed back through layout ops, scalar multiplies and feature slices to the dense tensor
-``D`` that feeds it (:func:`walk_sliced`), and ``D`` back through the pad ops to the one jagged source
-it reads (:func:`pad_source`); :func:`find_operand` bundles that as an :class:`Operand`. The jagged
+``D`` that feeds it (:func:`walk_sliced`), and ``D`` back by data flow to the one jagged source it
+reads (:func:`source_candidates`: whatever ops spell the pad); :func:`find_operand` bundles that as an
+:class:`Operand`. The jagged
 integer input of the pads (offsets or lengths) is :func:`jagged_descriptor`.
 
 Nothing here is proven: the walks only say *what* the next stages check (``attn_structure``: the
@@ -14,14 +15,15 @@ every attention module (``attn_*``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from typing import Optional
 
+import sympy
 import torch
 
 from .. import _compat, config
 from . import attn_layout as lay
+from .generalize import TooLarge
 from .prover import Decline, closure, is_static, sym_expr
 from .sizes import SIZE_READS
 
@@ -33,46 +35,6 @@ SCALAR_DIV = {aten.div.Tensor, aten.div.Scalar}
 
 SOFTMAX = {aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default,
            aten.logsumexp.default, aten.amax.default, aten.sum.dim_IntList}
-
-
-def _fbgemm(name):
-    try:
-        import fbgemm_gpu  # noqa: F401
-        return getattr(torch.ops.fbgemm, name).default
-    except Exception:
-        return None
-
-
-@functools.cache
-def pad_ops() -> frozenset:
-    """Ops that may build a padded tensor from a jagged one (fbgemm's when it imports). Only a
-    filter: what the pad subgraph computes is proven numerically (``attn_prove``)."""
-    ops = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default, aten.cat.default,
-           aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default,
-           aten.index_copy.default, aten.index_copy_.default, aten.scatter.src, aten.scatter_.src,
-           aten.scatter.value, aten.where.self, aten.mul.Tensor, aten.masked_fill.Scalar,
-           aten.masked_fill_.Scalar, aten.masked_fill.Tensor, aten.zeros.default, aten.new_zeros.default,
-           aten.full.default, aten.new_full.default, aten.zeros_like.default, aten.full_like.default,
-           aten.gather.default, aten.masked_scatter.default, aten._jagged_to_padded_dense_forward.default,
-           aten.select_scatter.default, aten.slice_scatter.default, aten.copy_.default, aten.fill_.Scalar,
-           aten.zero_.default, aten.scalar_tensor.default}
-    for name in ("jagged_to_padded_dense_forward", "jagged_to_padded_dense", "jagged_2d_to_dense"):
-        op = _fbgemm(name)
-        if op is not None:
-            ops.add(op)
-    return frozenset(ops)
-
-
-@functools.cache
-def unpad_ops() -> frozenset:
-    """Ops that may read a jagged tensor back out of a padded one (a filter, like :func:`pad_ops`)."""
-    ops = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default, aten.gather.default,
-           aten._padded_dense_to_jagged_forward.default}
-    for name in ("dense_to_jagged_forward", "dense_to_jagged", "jagged_dense_elementwise_mul"):
-        op = _fbgemm(name)
-        if op is not None and name != "jagged_dense_elementwise_mul":
-            ops.add(op)
-    return frozenset(ops)
 
 
 def size_hint(x) -> int:
@@ -157,7 +119,9 @@ def is_square(S) -> bool:
 
 
 def is_pad(D) -> bool:
-    return D.op == "call_function" and D.target in pad_ops()
+    """Whether ``D`` is computed from one float tensor of the graph (and integers, sizes, constants):
+    the shape of a pad. What it computes is for the numeric proof."""
+    return bool(source_candidates(D))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,35 +196,83 @@ def walk_forward(node, sym=False):
     return cur, ops, factor
 
 
-def pad_source(D) -> torch.fx.Node:
-    """The jagged tensor that the pad subgraph ending at ``D`` reads (walk through pad ops)."""
-    if not is_pad(D):
-        raise Decline(f"operand {D.name} ({op_name(D)}) is not produced by a recognised pad")
-    leaves, seen, stack = set(), set(), [D]
+_MAX_SOURCES = 4  # dominators tried as a pad's jagged source, nearest first
+
+
+def _data_inputs(n, cache) -> list:
+    """The float inputs of ``n`` that carry data: a graph input, or computed from one. Floats made
+    from integers and constants only (zero buffers, ``mask.to(float)``, ``get_attr`` constants) are
+    part of whatever reads them."""
+    return [a for a in n.all_input_nodes if has_float(a) and _is_data(a, cache)]
+
+
+def _is_data(n, cache) -> bool:
+    """Iteratively (graphs are deep): whether a float graph input reaches ``n``."""
+    stack = [n]
     while stack:
-        n = stack.pop()
-        if n in seen:
+        x = stack[-1]
+        if x in cache:
+            stack.pop()
             continue
-        seen.add(n)
-        for a in n.all_input_nodes:
-            if not is_float(a):
-                continue
-            root = a
-            while lay.is_layout_node(root):
-                root = root.args[0]
-            scalar_mul = root.op == "call_function" and root.target in SCALAR_MUL | SCALAR_DIV and any(
-                _scalar_of(root, x) is not None for x in root.args)
-            if root.op == "call_function" and root.target in pad_ops() and not scalar_mul:
-                stack.append(root)
-            elif root.op == "call_function" and root.target is not operator.getitem and not any(
-                    has_float(x) for x in root.all_input_nodes):
-                stack.append(root)  # float made from ints/constants only (e.g. mask.to(float))
-            else:
-                leaves.add(a)
-    if len(leaves) != 1:
-        raise Decline(f"pad ending at {D.name} reads {len(leaves)} float tensors "
-                      f"({', '.join(sorted(x.name for x in leaves))}); expected one jagged source")
-    return leaves.pop()
+        if x.op == "placeholder":
+            cache[x] = has_float(x)
+            stack.pop()
+            continue
+        todo = [a for a in x.all_input_nodes if has_float(a) and a not in cache]
+        if todo:
+            stack.extend(todo)
+            continue
+        cache[x] = any(cache[a] for a in x.all_input_nodes if has_float(a))
+        stack.pop()
+    return cache[n]
+
+
+def source_candidates(D) -> list:
+    """The jagged sources ``D`` may pad, nearest first: the float nodes every data path into ``D``
+    passes through (its dominators among the float data flow), among the nearest ``_MAX_SOURCES``.
+    Found by data flow, whatever ops spell the pad (index_put, scatter, an embedding over a table
+    with a sentinel row, a one-hot matmul, ...). A step of the pad itself is no candidate: a tensor
+    of the padded shape, or one with other rows than the furthest dominator (rows gathered by the
+    offsets, ``[B * N, F]``): the jagged rows of a source are what the offsets count, so taking such
+    a step for the source would bind the offsets to the wrong row count. Which candidate the pad
+    really reads is decided by the proof (``retry_sources``), in this order."""
+    if D.op != "call_function":
+        return []
+    index = {n: i for i, n in enumerate(D.graph.nodes)}
+    cache: dict = {}
+    frontier, chain = set(_data_inputs(D, cache)), []
+    while frontier and len(chain) < _MAX_SOURCES:
+        if len(frontier) == 1:
+            (x,) = frontier
+            if isinstance(meta_val(x), torch.Tensor) and meta_val(x).dim() >= 1:  # a tuple is no source
+                chain.append(x)
+            if x.op != "call_function":
+                break
+            frontier = set(_data_inputs(x, cache))
+            continue
+        latest = max(frontier, key=index.__getitem__)  # every path through it was seen: expand it
+        if latest.op != "call_function":
+            break  # two graph inputs reach D: no single source
+        frontier.remove(latest)
+        frontier |= set(_data_inputs(latest, cache))
+    if not chain:
+        return []
+    dshape = meta_val(D).shape
+    rows = meta_val(chain[-1]).shape[0]
+    return [x for x in chain if lay.eq(meta_val(x).shape[0], rows)
+            and not (meta_val(x).dim() == len(dshape) and all(map(lay.eq, meta_val(x).shape, dshape)))]
+
+
+def pad_source(D, skip: int = 0) -> torch.fx.Node:
+    """The jagged tensor that the pad subgraph ending at ``D`` reads: its ``skip``-th source
+    candidate (:func:`source_candidates`)."""
+    cands = source_candidates(D)
+    if not cands:
+        raise Decline(f"operand {D.name} ({op_name(D)}) is not computed from a single float tensor of the graph: "
+                      f"expected one jagged source")
+    if skip >= len(cands):
+        raise Decline(f"no jagged source of {D.name} is padded to it")
+    return cands[skip]
 
 
 @dataclasses.dataclass
@@ -376,9 +388,64 @@ def walk_sliced(node):
     return D, ops, factor
 
 
-def find_operand(node, prefix) -> Operand:
+class PadMismatch(Decline):
+    """The pads ``Ds`` are not ``jagged_to_padded`` of the sources tried: the next candidates may be."""
+
+    def __init__(self, msg, *Ds):
+        super().__init__(msg)
+        self.Ds = Ds
+
+
+class Sources:
+    """Which source candidate each pad reads in one proof attempt (:func:`retry_sources`)."""
+
+    def __init__(self):
+        self.skip: dict = {}   # pad -> index into its source_candidates
+        self.count: dict = {}  # pad -> how many it has (the pads this attempt read)
+
+    def pick(self, D) -> torch.fx.Node:
+        self.count[D] = len(source_candidates(D))
+        return pad_source(D, self.skip.get(D, 0))
+
+    def advance(self, Ds) -> bool:
+        """Move ``Ds`` to their next candidates; False when none has one left."""
+        moved = False
+        for D in Ds:
+            if self.skip.get(D, 0) + 1 < self.count.get(D, 0):
+                self.skip[D] = self.skip.get(D, 0) + 1
+                moved = True
+        return moved
+
+
+def retry_sources(attempt):
+    """``attempt(sources)`` (a proof reading each pad's chosen source candidate), again with the next
+    candidates of the pads that did not match (:class:`PadMismatch`) or, on any other failure, of
+    every pad, until it proves or they run out. Raises the first reason from an attempt whose pads
+    were proven (``past_pads``, set by the numeric proofs), else the first reason (the nearest
+    sources are the plausible ones). A candidate too large to probe is handed on at once."""
+    sources, first, past_pads = Sources(), None, None
+    while True:
+        try:
+            return attempt(sources)
+        except PadMismatch as e:
+            first = first or e
+            moved = sources.advance(e.Ds)
+        except TooLarge:
+            raise
+        except (Decline, lay.LayoutError) as e:  # e.g. a table with a sentinel row has one row too many
+            first = first or e
+            if getattr(e, "past_pads", False):  # its pads were proven: the reason that says most
+                past_pads = past_pads or e
+            moved = sources.advance(list(sources.count))
+        if not moved:
+            raise past_pads or first
+
+
+def find_operand(node, prefix, sources: Optional[Sources] = None) -> Operand:
+    """``node``'s operand: its pad ``D`` and jagged source (the one ``sources`` picks, default the
+    nearest)."""
     D, ops, factor = walk_sliced(node)
-    src = pad_source(D)
+    src = sources.pick(D) if sources is not None else pad_source(D)
     _no_lost_grad(src)
     return Operand(node, D, ops, factor, src, prefix)
 

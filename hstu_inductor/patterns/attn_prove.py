@@ -16,6 +16,8 @@ or proportional to ``1/N`` (:func:`n_law`). Static sizes too large to probe rais
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import math
 import random
@@ -24,10 +26,12 @@ import sympy
 import torch
 
 from . import attn_layout as lay
-from .attn_find import find_operand, jagged_descriptor, looks_like_lengths, meta_val
+from .attn_find import (
+    PadMismatch, find_operand, jagged_descriptor, looks_like_lengths, meta_val, retry_sources, source_candidates,
+)
 from .attn_rowscale import check_row_scale
 from .attn_structure import Plan, Subgraphs, structure
-from .generalize import TooLarge
+from .generalize import CONST_PREFIX, TooLarge
 from .prover import (
     Decline, close, closure, concrete, evaluate, hints, make_probes, make_targets, mask_candidates, probe_values,
     reference_mask, reference_pad, scalar_constants, scalar_scale, silu, solve_binding, sym_expr, valid_at,
@@ -39,7 +43,7 @@ aten = torch.ops.aten
 def check_leaves(leaves, allowed, what):
     """Decline unless the subgraph ``what`` reads only ``allowed`` inputs (plus constants and sizes)."""
     for leaf in leaves:
-        if leaf in allowed or leaf.op == "get_attr" or isinstance(meta_val(leaf), torch.SymInt):
+        if leaf in allowed or leaf.op == "get_attr" or isinstance(meta_val(leaf), (torch.SymInt, int)):
             continue
         raise Decline(f"{what} depends on input {leaf.name} (data we do not model)")
 
@@ -70,11 +74,38 @@ def check_pad(gm, x, order, env0, binding, off, N, gen) -> None:
     equal ``reference.jagged_to_padded(offsets, N)`` with zero padding."""
     shape = [concrete(s, binding) for s in meta_val(x.src).shape]
     src = probe_values(shape, gen)
-    env = evaluate(gm, order, {**env0, x.src: src})
+    try:
+        env = evaluate(gm, order, {**env0, x.src: src})
+    except Decline as e:  # e.g. an index past the rows of a source read with a sentinel row
+        raise PadMismatch(f"pad of {x.src.name}: {e}", x.D) from None
     got = env[x.D]
     ref = reference_pad(src, off, N)
     if got.numel() != ref.numel() or not torch.equal(got.reshape(-1).to(torch.float64), ref.reshape(-1)):
-        raise Decline(f"pad of {x.src.name} is not jagged_to_padded(offsets, N={N}) with zero padding")
+        raise PadMismatch(f"pad of {x.src.name} is not jagged_to_padded(offsets, N={N}) with zero padding", x.D)
+
+
+@contextlib.contextmanager
+def past_pads(plan):
+    """Mark a Decline raised once ``plan``'s pads were proven (``attn_find.retry_sources``)."""
+    try:
+        yield
+    except Decline as e:
+        if plan.pads_proven and not isinstance(e, PadMismatch):
+            e.past_pads = True
+        raise
+
+
+def check_pads(gm, pads, env0, binding, off, N, gen) -> None:
+    """:func:`check_pad` for every ``(operand, pad subgraph)``; one :class:`PadMismatch` naming
+    every pad that failed (q, k, v may all read a source further back)."""
+    bad = []
+    for x, order in pads:
+        try:
+            check_pad(gm, x, order, env0, binding, off, N, gen)
+        except PadMismatch as e:
+            bad.append(e)
+    if bad:
+        raise PadMismatch(str(bad[0]), *(d for e in bad for d in e.Ds))
 
 
 def probe_inputs(plan, descriptor, sym_leaves, binding, lengths, rng, p) -> tuple:
@@ -115,11 +146,15 @@ def prove(gm, S, pv) -> Plan:
     the more plausible reading."""
     first = looks_like_lengths(jagged_descriptor(find_operand(S.args[0], "q")))
     reason = None
-    for lengths in (first, not first):
-        try:
-            plan, sub = structure(S, pv, lengths)
+    def attempt(lengths, sources):
+        plan, sub = structure(S, pv, lengths, sources)
+        with past_pads(plan):
             numeric_proof(gm, plan, sub)
-            return plan
+        return plan
+
+    for lengths in (first, not first):
+        try:  # a pad may read a source further back than the nearest (a table with a sentinel row)
+            return retry_sources(functools.partial(attempt, lengths))
         except (Decline, lay.LayoutError) as e:
             reason = reason or e
     raise reason
@@ -162,15 +197,18 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     check_leaves(sub.u_leaves, {Odense, plan.offsets}, "unpad")
     sides = {m.node: closure([m.factor], set())[0] for m in [*pre.values(), *post.values()]}
     post_ok = len(post)  # row scales after the unpad that passed every probe so far
-    sym_leaves = [n for n in gm.graph.nodes if isinstance(meta_val(n), torch.SymInt)
-                  and (n.op == "placeholder" or n.target is aten.sym_size.int)]
+    sym_leaves = [n for n in gm.graph.nodes if (isinstance(meta_val(n), torch.SymInt)
+                  and (n.op == "placeholder" or n.target is aten.sym_size.int))
+                  or (n.op == "placeholder" and type(meta_val(n)) is int)]  # an int input: a size specialised
 
     sym_n = not isinstance(N, int)
     Bs, Ls = int(B) if B_static else None, int(Lq) if L_static else None
     floats, ints = scalar_constants(s_order)
+    ksyms = mask_constant_symbols(gm)
     if sym_n:
         side_floats, side_ints = scalar_constants([n for order in sides.values() for n in order])
-        Ns = probe_ns(plan, base, floats | side_floats, ints | side_ints, Bs, Ls)
+        kmax = {_const_value(len(ksyms) - 1, 2)} if ksyms else set()
+        Ns = probe_ns(plan, base, floats | side_floats, ints | side_ints | kmax, Bs, Ls)
         probes = []
         for idx, Nv in enumerate(Ns):
             sets = make_probes(Nv, Bs, Ls, _SYM_PROBES_PER_N, seed=1234 + idx)
@@ -183,6 +221,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     gen = torch.Generator().manual_seed(4321)
     alphas = sorted({1.0} | {c for c in floats if c != 0} | {1.0 / c for c in floats if c != 0})
     mask_ints = {i for i in ints if 0 < i <= max(Nv for Nv, _ in probes) + 1}
+    mask_ints |= {_const_value(i, 0) for i in range(len(ksyms))}  # the constants' values at probe 0
     chosen = None
     consts = []  # symbolic N: (N, fitted score constant, binding) per probe
     for p, (Np, lengths) in enumerate(probes):
@@ -199,23 +238,30 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                 raise Decline(f"symbolic N={N} shares a symbol with the sizes of the jagged inputs "
                               f"(the probes cannot vary N alone)")
             pairs.append((N, Np))
+        pairs += [(k, _const_value(i, p)) for i, k in enumerate(ksyms)]
         binding = solve_binding(pairs, base)
         off = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=meta_val(plan.offsets).dtype)
         lens = torch.tensor(lengths, dtype=torch.int64)
         env0, targets = probe_inputs(plan, descriptor_probe(plan, off, lens), sym_leaves, binding, lengths, rng, p)
         cost = probe_cost([*s_order, *u_order, *(n for _, order in pads for n in order)], binding)
-        if cost > _MAX_PROBE_ELEMS and sym_n:
+        if cost > _MAX_PROBE_ELEMS and (ksyms or plan.constants):  # already generalised
             raise Decline(f"too large to prove numerically at N={Np} ({cost:.2g} elements per probe; "
                           f"symbolic N is probed above every integer constant of the score subgraph)")
         if cost > _MAX_PROBE_ELEMS:  # proven on small instances of the same graph instead (generalize.py)
-            raise TooLarge(f"too large to prove numerically at these static sizes ({cost:.2g} elements per probe)",
-                           plan=plan, last=list(post)[-1] if post else plan.out, B=Bs, N=N if isinstance(N, int) else None, L=Ls,
-                           descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
-                           lengths=plan.lengths)
+            # the generalised copy starts at the furthest source candidate of each pad, so that
+            # the pad's own source is inside it whichever candidate that turns out to be
+            leaves = {source_candidates(x.D)[-1] for x in (q, k, v)}
+            rows = {sym_expr(meta_val(x).shape[0]) for x in leaves}
+            Lg = int(next(iter(rows))) if len(rows) == 1 and next(iter(rows)).is_Integer else Ls
+            what = f"at N={Np} (a constant of the score subgraph)" if sym_n else "at these static sizes"
+            raise TooLarge(f"too large to prove numerically {what} ({cost:.2g} elements per probe)",
+                           plan=plan, last=list(post)[-1] if post else plan.out, B=Bs, N=N if isinstance(N, int) else None,
+                           L=Lg, descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
+                           lengths=plan.lengths, leaves=leaves)
 
         # pads
-        for x, order in pads:
-            check_pad(gm, x, order, env0, binding, off, Np, gen)
+        check_pads(gm, pads, env0, binding, off, Np, gen)
+        plan.pads_proven = True
 
         # scores -> X
         Sc = lay.concretize(S_layout, binding)
@@ -241,9 +287,11 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
             s_at = lay.gather(reference_pad(scale_probe, off, Np), (((Bp, "b", 1),), ((Np, "i", 1),)),
                               crd).expand(X.shape)
         if chosen is None:
-            chosen = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
-                          plan.num_targets is not None)
+            alpha, c0, params = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
+                                     plan.num_targets is not None)
+            chosen = alpha, c0, constant_params(params, ksyms, binding)
         alpha, c0, params = chosen
+        params = tuple(concrete(x, binding) if isinstance(x, sympy.Expr) else x for x in params)
         if sym_n:  # the constant may scale with N (1/N): fitted per probe, its N-law checked below
             try:
                 _, c0 = fit_alpha(X, S_at, s_at, (X != 0) & in_seq, [alpha])
@@ -304,6 +352,32 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         plan.scale = None if abs(factor * N - 1.0) <= 1e-9 else float(factor)
     else:
         plan.scale_node, plan.scale_factor = scale_leaf, float(factor)
+
+
+def mask_constant_symbols(gm) -> list:
+    """The symbols of the mask constants a generalised graph takes as inputs (``generalize``)."""
+    return [sym_expr(meta_val(n)) for n in gm.graph.find_nodes(op="placeholder")
+            if str(n.target).startswith(CONST_PREFIX) and isinstance(meta_val(n), torch.SymInt)]
+
+
+def _const_value(i, p) -> int:
+    """The probe value of mask constant ``i`` at probe ``p``: distinct constants stay 4 apart, so a
+    fitted ``k - 1 .. k + 1`` names one constant, and each takes three values across the probes."""
+    return 3 + 4 * i + p % 3
+
+
+def constant_params(params, ksyms, binding) -> tuple:
+    """The fitted mask parameters, each a mask constant's symbol (+-1) where its value says so:
+    checked at every other probe, where the constants take other values."""
+    out = [params[0]]
+    for x in params[1:]:
+        for k in ksyms:
+            d = x - concrete(k, binding)
+            if x > 0 and abs(d) <= 1:
+                x = k + d
+                break
+        out.append(x)
+    return tuple(out)
 
 
 def probe_ns(plan, base, floats, ints, B, L) -> list:

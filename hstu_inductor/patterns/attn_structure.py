@@ -25,7 +25,6 @@ from .. import _compat, config
 from . import attn_layout as lay
 from .attn_find import (
     BMM, SOFTMAX, Operand, feature_slice, find_operand, is_float, jagged_descriptor, meta_val, op_name, size_hint,
-    unpad_ops,
 )
 from .attn_rowscale import after_unpad, output_chain, unify_scales, unify_side
 from .prover import Decline, closure, is_static, sym_expr
@@ -61,7 +60,10 @@ class Plan:
     scale: Optional[float] = None           # constant scale (None: 1/N)
     scale_node: Optional[torch.fx.Node] = None  # attn_scale input (times scale_factor)
     scale_factor: float = 1.0
-    params: tuple = (True, 0, 0, 0)
+    params: tuple = (True, 0, 0, 0)      # (causal, max_attn_len, contextual, min_full): ints, or sympy
+    #                                     expressions of the mask constants' symbols (generalize.py)
+    constants: dict = dataclasses.field(default_factory=dict)  # mask constant symbol -> real value
+    pads_proven: bool = False    # the numeric proof got past the pads (attn_prove.past_pads)
     head_modes: list = None      # q-feature modes forming the head index (S batch order)
     c_modes: list = None         # q-feature modes contracted in S
     v_head_modes: list = None    # v-feature modes paired with head_modes
@@ -238,12 +240,12 @@ def symbolic_n(Nexpr, B, rows, q_D, name):
     raise Decline(f"no graph input carries the symbolic N={Nexpr} of the padded {name}")
 
 
-def analyse(S, pv, lengths=False) -> Plan:
+def analyse(S, pv, lengths=False, sources=None) -> Plan:
     """Structural part of the proof. Raises Decline. ``lengths``: read the jagged integer input as
-    per-sequence lengths rather than offsets."""
-    q = find_operand(S.args[0], "q")
-    k = find_operand(S.args[1], "q")  # k's features must line up with q's: same axis names
-    v = find_operand(pv.args[1], "v")
+    per-sequence lengths rather than offsets; ``sources``: which source candidate each pad reads (``attn_find.Sources``)."""
+    q = find_operand(S.args[0], "q", sources)
+    k = find_operand(S.args[1], "q", sources)  # k's features must line up with q's: same axis names
+    v = find_operand(pv.args[1], "v", sources)
     fq, axq = feature_axes(q.src, "q")
     fk, _ = feature_axes(k.src, "q")
     fv, axv = feature_axes(v.src, "v")
@@ -381,7 +383,7 @@ def side_inputs(s_leaves, plan, batch: int, rows: int) -> tuple:
         if leaf is plan.S or leaf is plan.offsets:
             continue
         val = meta_val(leaf)
-        if isinstance(val, torch.SymInt) or leaf.op == "get_attr":
+        if isinstance(val, (torch.SymInt, int)) or leaf.op == "get_attr":
             continue
         if isinstance(val, torch.Tensor) and not val.is_floating_point():
             if val.dim() == 1 and size_hint(val.shape[0]) == batch and nt is None \
@@ -399,12 +401,12 @@ def side_inputs(s_leaves, plan, batch: int, rows: int) -> tuple:
     return nt, scale_leaf
 
 
-def structure(S, pv, lengths) -> tuple[Plan, Subgraphs]:
+def structure(S, pv, lengths, sources=None) -> tuple[Plan, Subgraphs]:
     """The structural proof of a full-attention candidate (``lengths``: read the jagged integer input
     as lengths): :func:`analyse`, then the score chain, its side inputs (num_targets, attn_scale),
     the output side (row scales, unpad) and that no intermediate is used outside the candidate.
     Returns the plan and the subgraphs the numeric proof runs. Raises Decline."""
-    plan = analyse(S, pv, lengths)
+    plan = analyse(S, pv, lengths, sources)
     N, B = plan.N, plan.B
     q, k, v = plan.q, plan.k, plan.v
 
@@ -434,7 +436,7 @@ def structure(S, pv, lengths) -> tuple[Plan, Subgraphs]:
     U = o_users[0] if len(o_users) == 1 else None
     # no unpad in this graph (e.g. a graph break before torch.nested.masked_select, or a padded
     # consumer): the dense output itself is replaced by pad(hstu.attention) (padding rows proven 0)
-    plan.dense = U is None or U.op != "call_function" or U.target not in unpad_ops()
+    plan.dense = U is None or U.op != "call_function" or not reads_rows(U, meta_val(q.src).shape[0])
     out = U = Odense if plan.dense else U
     if isinstance(meta_val(U), (tuple, list)):
         gets = [u for u in U.users if u.target is operator.getitem and u.args[1] == 0]
@@ -501,6 +503,14 @@ def structure(S, pv, lengths) -> tuple[Plan, Subgraphs]:
                           f"rewriting would keep it alive")
     return plan, Subgraphs(s_order, layouts, S_layout, scale_leaf, Odense, u_order, u_leaves, rest_shape, fo,
                            chain_scale, pre, post)
+
+
+def reads_rows(U, rows) -> bool:
+    """Whether ``U`` (the dense output's user) has one row per jagged row: the shape of an unpad,
+    whatever ops spell it (its meaning is proven numerically)."""
+    val = meta_val(U)
+    val = val[0] if isinstance(val, (tuple, list)) and val else val
+    return isinstance(val, torch.Tensor) and val.dim() >= 1 and lay.eq(val.shape[0], rows)
 
 
 def is_dead(n, depth=0) -> bool:

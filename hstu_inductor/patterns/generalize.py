@@ -49,7 +49,7 @@ import torch
 from torch.utils._sympy.functions import FloorDiv
 
 from .. import _compat
-from .prover import Decline, attribute, substitute
+from .prover import Decline, attribute, is_static, substitute, sym_expr
 
 log = logging.getLogger("hstu_inductor")
 aten = torch.ops.aten
@@ -62,9 +62,10 @@ class TooLarge(Decline):
     ``plan``: its (structurally proven) plan; ``last``: the node its rewrite may replace at most
     (the unpadded output, or the last row scale after it)."""
 
-    def __init__(self, msg, plan=None, last=None, B=None, N=None, L=None, descriptor=None, lengths=False):
+    def __init__(self, msg, plan=None, last=None, B=None, N=None, L=None, descriptor=None, lengths=False,
+                 leaves=None):
         super().__init__(msg)
-        self.plan, self.last = plan, last
+        self.plan, self.last, self.leaves = plan, last, leaves
         self.sizes = Sizes(B=B, Ns=(N,) if N is not None else (), L=L, descriptor=descriptor, lengths=lengths)
 
 
@@ -99,6 +100,34 @@ _ARITH = {"mul", "add", "sub", "rsub", "div", "floor_divide", "remainder", "fmod
           "fill", "full", "new_full", "select", "index_select", "lift_fresh_copy", "scalar_tensor"}
 
 
+# Integer literals compared with or added to integer tensors (positions, ids, distances) are the
+# mask's constants: a window, a contextual prefix, a min-full length. Each distinct value becomes a
+# symbol of its own (a ``SymInt`` input named ``hstu_const_<value>``), so the proof holds uniformly
+# in it and is probed at small values, whatever its real size (a window of 1024 at N=4096). A value
+# equal to an atom is tried as that atom first (index arithmetic ``seq * N + pos`` must stay N).
+CONST_PREFIX = "hstu_const_"
+_MASK_ARITH = {"add", "sub", "rsub", "lt", "le", "gt", "ge", "eq", "ne", "clamp", "clamp_min", "clamp_max",
+               "minimum", "maximum", "where", "masked_fill"}
+
+
+def _is_mask_arith(node) -> bool:
+    """Integer arithmetic on integer tensors: where a mask constant can stand."""
+    if _packet(node.target) not in _MASK_ARITH:
+        return False
+    vals = [a.meta.get("val") for a in node.all_input_nodes]
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    return bool(tensors) and not any(v.is_floating_point() for v in tensors)
+
+
+def _mask_ints(gm) -> set:
+    """The literals >= 2 that :func:`_is_mask_arith` nodes of ``gm`` use."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _is_mask_arith(n):
+            out |= {a for a in [*n.args, *n.kwargs.values()] if _is_int(a) and 2 <= a < 2 ** 31}
+    return out
+
+
 def _packet(target) -> str:
     name = getattr(target, "__name__", "")
     return name.split(".")[0]
@@ -122,11 +151,13 @@ class _Decision:
 class _Generaliser:
     """One attempt: builds the generalised graph with the given choices (``overrides``)."""
 
-    def __init__(self, gm, sizes: Sizes, overrides: dict, arith: bool = True):
+    def __init__(self, gm, sizes: Sizes, overrides: dict, arith: bool = True, consts: bool = True):
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         self.gm, self.sizes, self.overrides, self.arith = gm, sizes, overrides, arith
+        self.consts: dict = {}         # literal value -> its constant symbol (mask constants, see _mask_ints)
+        self.use_consts = consts
         self.named_atoms: list = []    # (sympy expr, hint, "B" | "N" | "L")
         self.shape_env = ShapeEnv(duck_shape=False)
         self.fake_mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
@@ -181,6 +212,9 @@ class _Generaliser:
                 free = sym_expr(v).free_symbols
                 if not free & feature_syms:
                     keep |= free
+        sz = self.sizes
+        if sz.B is None and sz.L is None and not sz.Ns:  # nothing to generalise but mask constants
+            keep |= feature_syms
         from .prover import hints as env_hints
 
         orig_hints = env_hints(*vals)
@@ -190,7 +224,6 @@ class _Generaliser:
         def gen(e):
             return sympy.sympify(sym_expr(e)).subs(fresh).subs(specialise)
 
-        sz = self.sizes
         L_sym = self._symint(sz.L, "hstu_L").node.expr if sz.L is not None else None
         B_sym = O_sym = None
         if sz.B is not None:
@@ -239,6 +272,12 @@ class _Generaliser:
             ph.meta["val"] = val
             self.sym_nodes[val.node.expr] = ph
             self.named_atoms.append((val.node.expr, n, "N"))
+        for c in sorted(_mask_ints(self.gm)) if self.use_consts else ():
+            ph = self.graph.placeholder(f"{CONST_PREFIX}{c}")
+            val = self._symint(c, f"{CONST_PREFIX}{c}")
+            ph.meta["val"] = val
+            self.sym_nodes[val.node.expr] = ph
+            self.consts[c] = val.node.expr
         if B_sym is not None:
             self.named_atoms.append((B_sym, sz.B, "B"))
         if L_sym is not None:
@@ -446,6 +485,8 @@ class _Generaliser:
         args = list(args)
         kwargs = dict(kwargs)
         key = node.name
+        if not self.atoms and name not in _ARITH:  # sizes already symbolic: only the mask constants
+            return tuple(args), kwargs
 
         if name in _LIST_VIEW and len(args) > 1 and isinstance(args[1], (list, tuple)):
             inp = args[0].meta["val"] if isinstance(args[0], torch.fx.Node) else None
@@ -467,6 +508,8 @@ class _Generaliser:
                     new.append(inp.shape[i - off] if not _sx(inp.shape[i - off]).is_Integer else s)
                     if isinstance(new[-1], torch.SymInt):
                         new[-1] = self.emit(_sx(new[-1]))
+                elif _is_int(s) and i == len(sizes) - 1 and (s,) in self.features:
+                    new.append(s)  # an index expanded over the features (gather): a feature size
                 else:
                     new.append(self._fresh_size(key, ("expand", i), s))
             args[1] = new
@@ -510,7 +553,10 @@ class _Generaliser:
         elif name in _ARITH:
             for i, a in enumerate(args):
                 if _is_int(a) and (i > 0 or name == "scalar_tensor"):
-                    args[i] = self._arith(key, i, a)
+                    args[i] = self._arith(key, i, a, node)
+            for k, a in kwargs.items():  # clamp(min=..., max=...)
+                if _is_int(a) and k in ("min", "max", "other"):
+                    kwargs[k] = self._arith(key, k, a, node)
         return tuple(args), kwargs
 
     def _fresh_size(self, key, where, c):
@@ -529,10 +575,13 @@ class _Generaliser:
                     break
         return [self._fresh_size(key, ("fresh", i), s) if i < cut else s for i, s in enumerate(sizes)]
 
-    def _arith(self, key, i, c):
-        if not _is_int(c) or not self.atoms:
+    def _arith(self, key, i, c, node=None):
+        if not _is_int(c):
             return c
-        return self.emit(self.choose((key, "arith", i), self.arith_options(c)))
+        opts = self.arith_options(c) if self.atoms else [sympy.Integer(c)]
+        if node is not None and c in self.consts and _is_mask_arith(node):
+            opts = opts[:-1] + [self.consts[c]] + opts[-1:]
+        return self.emit(self.choose((key, "arith", i), opts))
 
     def run(self):
         self.placeholders()
@@ -603,14 +652,14 @@ def _sx(s):
     return sympy.sympify(sym_expr(s))
 
 
-def generalise(gm: torch.fx.GraphModule, sizes: Sizes, arith: bool = True):
-    """The generalised graph (and its fake mode): ``gm`` with the atoms of ``sizes`` symbolic and a
-    ``SymInt`` input per N appended. ``arith``: also index-arithmetic literals (``seq * N``).
-    Raises GeneralizeError."""
+def generalise(gm: torch.fx.GraphModule, sizes: Sizes, arith: bool = True, consts: bool = True):
+    """The generalised graph (and its generaliser): ``gm`` with the atoms of ``sizes`` symbolic, a
+    ``SymInt`` input per N and per mask constant appended. ``arith``: also index-arithmetic literals
+    (``seq * N``); ``consts``: mask constants as symbols. Raises GeneralizeError."""
     overrides: dict = {}
     last = None
     for _ in range(_MAX_ATTEMPTS):
-        g = _Generaliser(gm, sizes, overrides, arith)
+        g = _Generaliser(gm, sizes, overrides, arith, consts)
         try:
             out = g.run()
             log.debug("hstu_inductor: generalised %s with %d choice(s) revised", sizes, len(overrides))
@@ -659,9 +708,31 @@ def extract(gm: torch.fx.GraphModule, last: torch.fx.Node, leaves: set):
 def prove_generalised(gm, e: TooLarge, prove, rewrite):
     """Prove and rewrite the candidate of ``e`` on a generalised copy of its subgraph; splice the
     result (specialised back to the real sizes) into ``gm``. Returns the proven plan (of the
-    generalised graph, for the report). Raises Decline / GeneralizeError."""
+    generalised graph, for the report). Raises Decline / GeneralizeError.
+
+    The copy starts at the pads' sources as the structural proof chose them. When those turn out
+    not to be what the pads read (a table with a sentinel row before the real source), it is
+    proven again from the furthest source candidates (``e.leaves``), and the copy that is spliced
+    starts at the sources found there: the user's nodes before them (a projection) are kept."""
     plan = e.plan
-    leaves = {x.src for x in (plan.q, plan.k, plan.v)}
+    near = {x.src for x in (plan.q, plan.k, plan.v)}
+    try:
+        return _generalised(gm, e, near, prove, rewrite)
+    except (Decline, GeneralizeError) as d:
+        if not e.leaves or set(e.leaves) == near:
+            raise
+        first = d
+    try:
+        found = _generalised(gm, e, e.leaves, prove, None)
+    except (Decline, GeneralizeError):
+        raise first from None
+    return _generalised(gm, e, found, prove, rewrite)
+
+
+def _generalised(gm, e, leaves, prove, rewrite):
+    """One extraction from ``leaves``: the proven plan, spliced in when ``rewrite`` is given; without
+    it, the user's nodes that the proof found to be the pads' sources."""
+    plan = e.plan
     sub, inputs, env = extract(gm, e.last, leaves)
     vals = [n.meta.get("val") for n in inputs]
     fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
@@ -669,10 +740,13 @@ def prove_generalised(gm, e: TooLarge, prove, rewrite):
         raise GeneralizeError("the candidate reads no fake tensor input")
     sizes = dataclasses.replace(e.sizes, descriptor=env[plan.offsets].name if plan.offsets in env else None)
     first = None
-    for arith in (True, False):  # index-arithmetic literals that only equal N by accident: kept
-        gen, g = generalise(sub, sizes, arith)
+    # literals as symbols first; then index-arithmetic literals that only equal N by accident kept;
+    # then mask constants kept too (a literal the mask does not use as a constant of HSTU's)
+    for arith, consts in ((True, True), (False, True), (False, False)):
+        gen, g = generalise(sub, sizes, arith, consts)
         gen.recompile()
-        back = _specialise(gen, vals, sizes, fake_mode)
+        extra = list(g.consts)
+        back = _specialise(gen, vals, sizes, fake_mode, extra)
         diff = same_graph(sub, back)
         if diff is not None:
             raise GeneralizeError(f"the generalised graph does not specialise back to the user's ({diff})")
@@ -687,20 +761,24 @@ def prove_generalised(gm, e: TooLarge, prove, rewrite):
                 raise first from None
     else:
         raise first
+    if rewrite is None:
+        to_sub, to_user = {v: k for k, v in g.env.items()}, {v: k for k, v in env.items()}
+        return {to_user[to_sub[x.src]] for x in (gen_plan.q, gen_plan.k, gen_plan.v)}
     with g.fake_mode:
         rewrite(gen, gen_plan)
     gen.graph.eliminate_dead_code()
     gen.recompile()
-    spec = _specialise(gen, vals, sizes, fake_mode)
+    spec = _specialise(gen, vals, sizes, fake_mode, extra)
     _splice(gm, spec, inputs, e.last)
+    gen_plan.constants = {sym: c for c, sym in g.consts.items()}
     return gen_plan
 
 
-def _specialise(gen_gm, vals: list, sizes: Sizes, fake_mode):
-    """Re-trace ``gen_gm`` at the real inputs and the real N values: every symbolic size folds
-    back to an int literal (or to the original graph's own symbols)."""
+def _specialise(gen_gm, vals: list, sizes: Sizes, fake_mode, consts=()):
+    """Re-trace ``gen_gm`` at the real inputs, the real N values and the real mask constants: every
+    symbolic size folds back to an int literal (or to the original graph's own symbols)."""
     with fake_mode:
-        return _compat.trace_aten(gen_gm, list(vals) + list(sizes.Ns))
+        return _compat.trace_aten(gen_gm, list(vals) + list(sizes.Ns) + list(consts))
 
 
 def _splice(gm, spec, inputs, last):
@@ -739,17 +817,20 @@ def same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> Optional[str
     def norm(x, index):
         if isinstance(x, torch.fx.Node):
             if x.op == "placeholder":
+                v = x.meta.get("val")
+                if isinstance(v, torch.SymInt) and is_static(v):
+                    return int(sym_expr(v))
                 return ("input", placeholders(x.graph).index(x))
             if x.target is aten.sym_size.int or _is_sym_arith(x):
                 v = x.meta.get("val")
-                return ("sym", str(v))
+                return norm(v, index) if isinstance(v, (int, torch.SymInt)) else ("sym", str(v))
             return ("node", index.get(x))
         if isinstance(x, (list, tuple)):
             return tuple(norm(y, index) for y in x)
         if isinstance(x, dict):
             return tuple(sorted((k, norm(v, index)) for k, v in x.items()))
-        if isinstance(x, torch.SymInt):
-            return ("sym", str(x))
+        if isinstance(x, torch.SymInt):  # a size specialised since (a guarded feature size) is its int
+            return int(sym_expr(x)) if is_static(x) else ("sym", str(x))
         return x
 
     ia, ib = ops(a), ops(b)

@@ -17,6 +17,8 @@ import importlib.util
 from _helpers import REWRITE_BACKEND
 
 HAS_FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
+if HAS_FBGEMM:
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm, which the fbgemm spellings call)
 REWRITTEN = list(sp.SPELLINGS)  # every spelling of the table
 
 

@@ -16,6 +16,8 @@ from test_attention_helpers import grad_leaves, rewritten_graph, spelling_inputs
 from _helpers import REWRITE_BACKEND
 
 HAS_FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
+if HAS_FBGEMM:
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm, which the fbgemm spellings call)
 
 
 def _skip(name):
