@@ -58,14 +58,16 @@ def _name(node: torch.fx.Node) -> str:
     return ""
 
 
-def _near(start: torch.fx.Node, step, want, depth: int) -> bool:
-    """True if a node within ``depth`` steps of ``start`` (``step(n)``: next nodes) satisfies ``want``."""
-    frontier, seen = [start], {start}
-    for _ in range(depth):
-        frontier = [m for n in frontier for m in step(n) if m not in seen]
+def _near(start: torch.fx.Node, step, want, depth: int | None) -> bool:
+    """True if a node within ``depth`` steps (None: any number) of ``start`` (``step(n)``: next nodes)
+    satisfies ``want``."""
+    frontier, seen, left = [start], {start}, depth
+    while frontier and (left is None or left > 0):
+        frontier = list({m: None for n in frontier for m in step(n) if m not in seen})
         if any(want(m) for m in frontier):
             return True
         seen.update(frontier)
+        left = None if left is None else left - 1
     return False
 
 
@@ -95,8 +97,9 @@ def _pieces(gm: torch.fx.GraphModule) -> frozenset:
         is_score = lambda m: m in scores  # noqa: E731
         if any(is_mm(n) and _near(n, ups, is_score, 5) for n in gm.graph.nodes):
             found.add("value product")
-        if any(not _near(s, downs, is_mm, 5) for s in scores):
-            found.add("open scores")  # scores that leave the graph before their product with v
+        is_out = lambda m: m.op == "output"  # noqa: E731
+        if any(not _near(s, downs, is_mm, None) and _near(s, downs, is_out, None) for s in scores):
+            found.add("open scores")  # scores that leave the graph, no product with v after them in it
     return frozenset(found)
 
 

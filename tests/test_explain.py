@@ -204,7 +204,7 @@ def test_explain_reports_graph_breaks_with_location_reason_and_split(caplog, cap
     assert "disable" in where[disabled].reason and "torch.compiler.disable" in where[disabled].hint
     assert where[disabled].splits_candidate and "silu(q k^T)" in where[disabled].effect
     text = str(report)
-    assert f"graph breaks (2):" in text and f"! {disabled}: " in text and "splits an attention candidate" in text
+    assert "graph breaks (2):" in text and f"! {disabled}: " in text and "splits an attention candidate" in text
     # the backend's own warning (also under plain torch.compile): once per break that splits a candidate
     warned = [r.getMessage() for r in caplog.records if r.name == "hstu_inductor" and r.levelno == logging.WARNING]
     assert len(warned) == 2, warned
