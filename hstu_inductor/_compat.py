@@ -6,7 +6,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 __all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "aot_eager", "mode_options", "guarded", "plain_eager",
            "njt_view_target", "is_njt", "size_hint", "shape_env_hints", "specialize_ints", "install_ddp_pre_split",
-           "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "unwrap_backend", "promoted_float_inputs"]
+           "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "unwrap_backend", "promoted_float_inputs",
+           "compile_reason", "capture_graph_break_logs"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -246,3 +247,81 @@ def carry_dynamo_placeholder_meta(src: torch.fx.GraphModule, dst: torch.fx.Graph
     if hasattr(src, "_param_name_to_source"):
         dst._param_name_to_source = src._param_name_to_source
     return True
+
+
+# --------------------------------------------------------------------------------------------
+# Graph breaks (explain's report, the backend's warning). Two sources, both read defensively:
+# the reason Dynamo attaches to every graph it hands a backend (``gm.compile_subgraph_reason``,
+# a ``GraphCompileReason(reason, user_stack, graph_break)`` since torch 2.0), and Dynamo's
+# ``graph_breaks`` logging artifact, which also names breaks that end an empty graph or make
+# Dynamo skip a whole frame ("Graph break [...] in user code at FILE:LINE\nGraph Break Reason: ..."
+# since torch 2.2, unchanged through 2.13).
+# --------------------------------------------------------------------------------------------
+
+def compile_reason(gm) -> tuple[bool, str, list]:
+    """``(ended_by_graph_break, reason, [(file, line, function), ...] outermost first)`` of a Dynamo
+    graph handed to a backend; ``(False, "", [])`` when Dynamo attached nothing (e.g. export)."""
+    r = getattr(gm, "compile_subgraph_reason", None)
+    if r is None:
+        return False, "", []
+    stack = []
+    for fs in getattr(r, "user_stack", None) or []:
+        try:
+            stack.append((str(fs.filename), int(fs.lineno), str(fs.name)))
+        except (AttributeError, TypeError, ValueError):
+            continue
+    return bool(getattr(r, "graph_break", False)), str(getattr(r, "reason", "")), stack
+
+
+def _graph_break_loggers() -> list:
+    import logging
+
+    names = {"torch._dynamo.symbolic_convert.__graph_breaks"}
+    try:
+        from torch._logging._internal import log_registry
+
+        names |= {n for n in getattr(log_registry, "artifact_log_qnames", ()) if n.endswith(".__graph_breaks")}
+    except Exception:  # registry moved: the one logger Dynamo has always used
+        pass
+    return [logging.getLogger(n) for n in sorted(names)]
+
+
+def capture_graph_break_logs(sink):
+    """Context manager: ``sink(file, line, reason)`` for every graph break Dynamo logs inside it,
+    without printing anything the user did not ask for (the artifact logger is raised to DEBUG
+    and kept from propagating unless ``TORCH_LOGS`` already enabled it; restored on exit)."""
+    import contextlib
+    import logging
+    import re
+
+    pattern = re.compile(r"in user code at (.+?):(\d+)\nGraph Break Reason: (.*?)(?:\n\n(?:Stack variable source "
+                         r"attribution|User code traceback):|\Z)", re.S)
+
+    class _Sink(logging.Handler):
+        def emit(self, record):
+            try:
+                m = pattern.search(record.getMessage())
+                if m:
+                    sink(m.group(1), int(m.group(2)), m.group(3).strip())
+            except Exception:  # a report aid: never break the user's compile
+                pass
+
+    @contextlib.contextmanager
+    def _ctx():
+        handler, saved = _Sink(level=logging.DEBUG), []
+        for lg in _graph_break_loggers():
+            enabled = lg.isEnabledFor(logging.DEBUG)
+            saved.append((lg, lg.level, lg.propagate))
+            if not enabled:
+                lg.setLevel(logging.DEBUG)
+                lg.propagate = False
+            lg.addHandler(handler)
+        try:
+            yield
+        finally:
+            for lg, level, propagate in saved:
+                lg.removeHandler(handler)
+                lg.setLevel(level)
+                lg.propagate = propagate
+
+    return _ctx()

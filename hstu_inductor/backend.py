@@ -35,10 +35,9 @@ __all__ = ["hstu_backend", "hstu_eager_backend"]
 
 def hstu_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """Dynamo backend entry: ``fn(gm, example_inputs, **kw)``; accepts ``mode=`` and ``options=``."""
-    gm = _rewritten(gm)
     patches = {**_compat.mode_options(mode), **(options or {})}
     patches["post_grad_custom_post_pass"] = _with_audit(patches.get("post_grad_custom_post_pass"))
-    return _compat.compile_fx(gm, example_inputs, patches)
+    return _compile(gm, lambda g: _compat.compile_fx(g, example_inputs, patches))
 
 
 def hstu_eager_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
@@ -51,7 +50,24 @@ def hstu_eager_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
     if mode not in (None, "default") or options:
         raise ValueError(f'backend="hstu_eager" runs no Inductor, so it takes no mode or options (got mode={mode!r}, '
                          f'options={options!r}); use backend="hstu" for those')
-    return _compat.aot_eager(_rewritten(gm), example_inputs)
+    return _compile(gm, lambda g: _compat.aot_eager(g, example_inputs))
+
+
+def _compile(gm: torch.fx.GraphModule, compile_rewritten):
+    """Rewrite ``gm`` and compile the result, as one staged report (``report.staged``): when Dynamo
+    abandons the compile by raising through it (it restarts the frame's analysis, e.g. under
+    ``dynamic=True`` once a float input got specialised, and calls the backend again), nothing of it
+    is counted; the redo is. Then warn about graph breaks seen to split an HSTU candidate."""
+    from . import graph_breaks
+    from .report import staged
+
+    with staged() as stage:
+        rewritten = _rewritten(gm)
+        if not getattr(_state, "ddp_pieces", False):  # a DDP piece: recorded whole, before the split
+            graph_breaks.record_graph(gm, stage)
+        compiled = compile_rewritten(rewritten)
+    graph_breaks.warn_splits(stage.records)
+    return compiled
 
 
 def _rewritten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -91,16 +107,21 @@ def _rewrite_before_ddp_split(split, backend, gm):
     second rewrite). Other backends, and graphs we cannot hand over intact, are left alone."""
     if _compat.unwrap_backend(backend)[0] not in (hstu_backend, hstu_eager_backend):
         return split(gm)
-    from . import ops  # noqa: F401
+    from . import graph_breaks, ops  # noqa: F401
     from .patterns import rewrite_dynamo_graph
+    from .report import staged
 
     config.validate()
-    rewritten = rewrite_dynamo_graph(gm)
-    if rewritten is not None and not _compat.carry_dynamo_placeholder_meta(gm, rewritten):
-        log.warning("hstu_inductor: ATen retrace changed the graph inputs; DDP pieces compiled unrewritten")
-        rewritten = None
-    with _ddp_pieces():
-        return split(rewritten if rewritten is not None else gm)
+    with staged() as stage:  # the whole graph's rewrites and its pieces' compiles, counted only together
+        rewritten = rewrite_dynamo_graph(gm)
+        graph_breaks.record_graph(gm, stage)
+        if rewritten is not None and not _compat.carry_dynamo_placeholder_meta(gm, rewritten):
+            log.warning("hstu_inductor: ATen retrace changed the graph inputs; DDP pieces compiled unrewritten")
+            rewritten = None
+        with _ddp_pieces():
+            compiled = split(rewritten if rewritten is not None else gm)
+    graph_breaks.warn_splits(stage.records)
+    return compiled
 
 
 def _report_ddp_piece(gm) -> None:

@@ -20,6 +20,7 @@ def explain(model_or_fn, *args, dynamic=None, backend: str = "hstu", **kwargs) -
     op by op instead of generating code (much faster to answer on a large model); the report then
     has no ``lowered`` lines, which describe Inductor's code.
     """
+    from . import graph_breaks
     from .backend import hstu_backend, hstu_eager_backend
 
     backends = {"hstu": hstu_backend, "hstu_eager": hstu_eager_backend}
@@ -27,6 +28,6 @@ def explain(model_or_fn, *args, dynamic=None, backend: str = "hstu", **kwargs) -
         raise ValueError(f"explain(backend=...) must be one of {sorted(backends)}, got {backend!r}")
     torch._dynamo.reset()
     compiled = torch.compile(model_or_fn, backend=backends[backend], dynamic=dynamic)
-    with collecting() as report:
+    with collecting() as report, graph_breaks.collect(report):
         report.output = compiled(*args, **kwargs)
     return report

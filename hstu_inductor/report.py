@@ -12,6 +12,31 @@ KINDS = ("attention", "preprocess", "output")
 
 
 @dataclasses.dataclass
+class GraphBreak:
+    """One Dynamo graph break seen during an explained call.
+
+    ``file``/``line``: the user's code where Dynamo broke (the innermost frame); ``reason``:
+    Dynamo's reason, condensed to its first lines (``full_reason`` keeps all of it); ``hint``: how
+    to avoid it; ``effect``: what it does to HSTU candidates when that can be told (empty if not):
+    a break that *splits* a candidate starts with ``"splits"``."""
+
+    file: str
+    line: int
+    reason: str
+    hint: str
+    effect: str = ""
+    full_reason: str = dataclasses.field(default="", repr=False)
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    @property
+    def splits_candidate(self) -> bool:
+        return self.effect.startswith("splits")
+
+
+@dataclasses.dataclass
 class RewriteReport:
     """Counts of rewritten subgraphs per kind, and ``(kind, reason)`` for candidates left alone."""
 
@@ -20,6 +45,9 @@ class RewriteReport:
     details: list = dataclasses.field(default_factory=list)  # (kind, spelling/description) per rewrite
     lowered: dict = dataclasses.field(default_factory=dict)  # post-grad: how hstu ops reached Inductor
     graphs: int = 0
+    graph_breaks: list = dataclasses.field(default_factory=list)  # GraphBreak, filled by explain()
+    # one ``graph_breaks.GraphRecord`` per Dynamo graph compiled (where it starts/ends, what it holds)
+    records: list = dataclasses.field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
         lines = [f"hstu_inductor report: {self.graphs} graph(s) compiled"]
@@ -31,6 +59,15 @@ class RewriteReport:
             lines += [f"    - {kind}: {reason}" for kind, reason in self.near_misses]
         else:
             lines.append("  near misses: none")
+        if self.graph_breaks:
+            lines.append(f"  graph breaks ({len(self.graph_breaks)}):")
+            for b in self.graph_breaks:
+                lines.append(f"    ! {b.where}: {b.reason}")
+                if b.effect:
+                    lines.append(f"        effect: {b.effect}")
+                lines.append(f"        avoid:  {b.hint}")
+        else:
+            lines.append("  graph breaks: none")
         if self.lowered:
             lines.append("  after AOTAutograd (fwd+bwd graphs compiled now; none on a cache hit):")
             lines += [f"    {what}: {n}" for what, n in sorted(self.lowered.items())]
@@ -44,6 +81,8 @@ class RewriteReport:
         for k, v in other.lowered.items():
             self.lowered[k] = self.lowered.get(k, 0) + v
         self.graphs += other.graphs
+        self.graph_breaks += other.graph_breaks
+        self.records += other.records
 
 
 _local = threading.local()
@@ -53,6 +92,12 @@ def _active() -> list:
     if not hasattr(_local, "stack"):
         _local.stack = []
     return _local.stack
+
+
+def _stages() -> list:
+    if not hasattr(_local, "stages"):
+        _local.stages = []
+    return _local.stages
 
 
 @contextlib.contextmanager
@@ -66,8 +111,28 @@ def collecting():
         _active().remove(report)
 
 
+@contextlib.contextmanager
+def staged():
+    """One backend compile: the reports published inside are held in the yielded RewriteReport and
+    handed on (to the enclosing stage, else to the collectors and the log) only if the block ends
+    without an exception. Dynamo abandons a compile by raising through the backend (e.g. its
+    ``dynamic=True`` float handling restarts the analysis and calls the backend again for the same
+    frame), so an abandoned compile's rewrites are never counted next to its redo's."""
+    stage = RewriteReport()
+    _stages().append(stage)
+    try:
+        yield stage
+    finally:
+        _stages().pop()
+    publish(stage)
+
+
 def publish(report: RewriteReport) -> None:
-    """Hand one graph's report to every active collector, and log it."""
+    """Hand one graph's report to the current stage (a backend compile still under way), or else to
+    every active collector, and log it."""
+    if _stages():
+        _stages()[-1].merge(report)
+        return
     for collector in _active():
         collector.merge(report)
     if any(report.counts.values()) or report.near_misses:

@@ -1,12 +1,15 @@
 """``hstu_inductor.explain``: per-call counts, readable report, near misses."""
 from __future__ import annotations
 
+import logging
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import hstu_inductor
-from _helpers import rel_err, small_hstu_batch, small_hstu_model
+from _helpers import offsets_from_lengths, rel_err, small_hstu_batch, small_hstu_model
 
 ALL_OFF = {"attention": False, "preprocess": False, "output": False}
 KINDS = ("attention", "preprocess", "output")
@@ -116,3 +119,95 @@ def test_explain_does_not_leak_into_later_compiles():
     torch._dynamo.reset()
     torch.compile(lambda x: x.tan() - 1, backend="hstu")(torch.randn(3))
     assert (report.counts, report.graphs, report.near_misses) == snapshot
+
+
+def test_explain_dynamic_true_counts_each_rewrite_once():
+    # dynamic=True: Dynamo passes Python floats as inputs; once the rewrite specialises one, AOTAutograd
+    # makes Dynamo restart the frame's analysis and call the backend a second time. Only the compile
+    # that is kept may be counted (it used to report 2 graphs and every rewrite twice).
+    model, ids, off, nt = _model_and_batch()
+    report = hstu_inductor.explain(model, ids, off, nt, dynamic=True, backend="hstu_eager")
+    assert report.counts == {"attention": 1, "preprocess": 1, "output": 1}, report
+    assert report.graphs == 1 and len(report.details) == 3
+    assert report.graph_breaks == [] and "graph breaks: none" in str(report)
+    assert rel_err(report.output, model(ids, off, nt)) < 1e-4
+
+
+# A one-layer STU model in plain torch (silu(u) applied late, after the attention, as some public code
+# does) whose attention helper hits two graph breaks: a print() on entry, which splits the preprocess
+# block (the uvqk split is before it, silu(u) after it), and a call to a torch.compiler.disable'd
+# function between the scores silu(q k^T) and their product with v, which splits the attention.
+@torch.compiler.disable
+def _host_side(s):
+    return s
+
+
+def _padded(t, offsets, N):
+    rows = torch.arange(N)
+    valid = rows[None, :] < (offsets[1:] - offsets[:-1])[:, None]
+    table = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+    return table[torch.where(valid, offsets[:-1, None] + rows[None, :], t.shape[0])]
+
+
+def _broken_attention(q, k, v, offsets, N, alpha):
+    L = q.shape[0]
+    print("attention rows:", L)  # BREAK: print
+    qp, kp, vp = (_padded(t, offsets, N).transpose(1, 2) for t in (q, k, v))
+    s = F.silu(torch.einsum("bhnd,bhmd->bhnm", qp, kp) * alpha) / N
+    lengths, pos = offsets[1:] - offsets[:-1], torch.arange(N)
+    valid = (pos[:, None] >= pos[None, :]) & (pos[None, None, :] < lengths[:, None, None])
+    s = _host_side(s * valid[:, None])  # BREAK: disabled
+    out = torch.einsum("bhnm,bhmv->bnhv", s, vp)
+    seq = torch.searchsorted(offsets, torch.arange(L), right=True) - 1
+    return out[seq, torch.arange(L) - offsets[seq]]
+
+
+class _BrokenSTULayer(torch.nn.Module):
+    def __init__(self, E=16, H=2, D=8):
+        super().__init__()
+        self.H, self.D = H, D
+        self.ln, self.uvqk = torch.nn.LayerNorm(E), torch.nn.Linear(E, 4 * H * D)
+        self.norm, self.proj = torch.nn.LayerNorm(H * D), torch.nn.Linear(H * D, E)
+
+    def forward(self, x, offsets, N):
+        L, H, D = x.shape[0], self.H, self.D
+        u, v, q, k = self.uvqk(self.ln(x)).split(H * D, dim=-1)
+        a = _broken_attention(q.view(L, H, D), k.view(L, H, D), v.view(L, H, D), offsets, N, 1 / math.sqrt(D))
+        return x + self.proj(F.silu(u) * self.norm(a.reshape(L, H * D)))
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, text in enumerate(f, 1) if text.rstrip().endswith(marker))
+
+
+def test_explain_reports_graph_breaks_with_location_reason_and_split(caplog, capsys):
+    from hstu_inductor import graph_breaks
+
+    graph_breaks.reset_warnings()
+    g = torch.Generator().manual_seed(4)
+    model = _BrokenSTULayer()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3, generator=g)
+    off = offsets_from_lengths([3, 0, 8, 1, 5])
+    x = torch.randn(17, 16, generator=g)
+    with caplog.at_level(logging.WARNING, logger="hstu_inductor"):
+        report = hstu_inductor.explain(model, x, off, 8, backend="hstu_eager")
+    assert rel_err(report.output, model(x, off, 8)) < 1e-5
+    # the breaks split the preprocess and the attention; the output block after them is still rewritten
+    assert report.counts == {"attention": 0, "preprocess": 0, "output": 1}, report
+    where = {b.where: b for b in report.graph_breaks}
+    printed, disabled = f"{__file__}:{_line_of('# BREAK: print')}", f"{__file__}:{_line_of('# BREAK: disabled')}"
+    assert list(where) == [printed, disabled], report
+    assert "print" in where[printed].reason and "print" in where[printed].hint
+    assert where[printed].splits_candidate and "preprocess" in where[printed].effect
+    assert "disable" in where[disabled].reason and "torch.compiler.disable" in where[disabled].hint
+    assert where[disabled].splits_candidate and "silu(q k^T)" in where[disabled].effect
+    text = str(report)
+    assert "graph breaks (2):" in text and f"! {disabled}: " in text and "splits an attention candidate" in text
+    # the backend's own warning (also under plain torch.compile): once per break that splits a candidate
+    warned = [r.getMessage() for r in caplog.records if r.name == "hstu_inductor" and r.levelno == logging.WARNING]
+    assert len(warned) == 2, warned
+    assert f"at {printed} splits an STU preprocess" in warned[0] and f"at {disabled} splits an attention" in warned[1]
+    # Dynamo's own graph-break log stays quiet unless the user turned it on
+    assert "Graph break in user code" not in capsys.readouterr().err

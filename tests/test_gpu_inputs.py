@@ -26,7 +26,9 @@ H, D = 2, 64
 # name: (lengths, max_seq_len, num_targets)
 EDGES = {
     "all_empty": ([0, 0, 0], 64, None),
+    "all_empty_targets": ([0, 0, 0], 64, [0, 0, 0]),  # issue 22: crashed with targets only
     "no_sequence": ([], 64, None),
+    "no_sequence_targets": ([], 64, []),
     "one_sequence": ([50], 64, [3]),
     "N_is_1": ([1, 0, 1, 1], 1, [0, 0, 1, 0]),
     "one_sequence_of_length_N": ([128], 128, [0]),
@@ -57,7 +59,7 @@ def test_op_edge_inputs_fwd_bwd(name, dtype):
     """The issue's all-empty batch used to raise "max(): Expected reduction dim ..." on CUDA."""
     lengths, N, targets = EDGES[name]
     q, k, v, off = _inputs(lengths, dtype, seed=len(lengths), requires_grad=True)
-    nt = torch.tensor(targets, device="cuda") if targets is not None else None
+    nt = torch.tensor(targets, device="cuda", dtype=torch.int64) if targets is not None else None
     out = torch.ops.hstu.attention(q, k, v, off, N, 1.0 / D, nt, None, 0, 0, 0, True)
     r = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = hstu_mha(N, 1.0 / D, *r, off, num_targets=nt)
@@ -81,7 +83,7 @@ def test_backend_edge_inputs():
             return hstu_mha(N, 1.0 / D, q, k, v, off, num_targets=nt)
 
         q, k, v, off = _inputs(lengths, torch.bfloat16, seed=7, requires_grad=True)
-        nt = torch.tensor(targets, device="cuda") if targets is not None else None
+        nt = torch.tensor(targets, device="cuda", dtype=torch.int64) if targets is not None else None
         out = torch.compile(attn, backend="hstu")(q, k, v, off, nt)
         r = [t.detach().double().requires_grad_() for t in (q, k, v)]
         ref = attn(*r, off, nt)
@@ -92,6 +94,31 @@ def test_backend_edge_inputs():
                               torch.autograd.grad(ref, r, dout.double())):
                 _compare(g_, rg, TOL[torch.bfloat16])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+@pytest.mark.parametrize("lengths", [[0, 0, 0], []], ids=["all_empty", "no_sequence"])
+def test_empty_batch_with_targets_every_op(lengths, mode):
+    """Issue 22: an empty batch with num_targets on CUDA (both check modes): attention fwd/bwd (empty
+    output, empty gradients), cached attention with D=0, and the direct kernels."""
+    from hstu_inductor.kernels import attention as K
+
+    q, k, v, off = _inputs(lengths, torch.bfloat16, seed=5, requires_grad=True)
+    nt = torch.zeros(len(lengths), dtype=torch.int64, device="cuda")
+    with hstu_inductor.config.patch(check_inputs=mode):
+        out = torch.ops.hstu.attention(q, k, v, off, 64, 1.0 / D, nt, None, 0, 0, 0, True)
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        delta = torch.ops.hstu.delta_attention(q.detach()[:0], k.detach(), v.detach(), off, 64, 1.0 / D, nt, None, 0, 0)
+    assert out.shape == (0, H, D) and delta.shape == (0, H, D)
+    assert all(g.shape == (0, H, D) for g in grads)
+    assert K.hstu_attention_fwd(q.detach(), k.detach(), v.detach(), off, 64, 1.0 / D, nt).shape == (0, H, D)
+    assert all(g.shape == (0, H, D) for g in K.hstu_attention_bwd(out.detach(), q.detach(), k.detach(), v.detach(),
+                                                                 off, 64, 1.0 / D, nt))
+    # the check is not vacuous on an empty batch: a target count above a length of 0 is refused
+    if lengths and mode == "always":
+        with hstu_inductor.config.patch(check_inputs="always"), pytest.raises(RuntimeError, match="num_targets"):
+            torch.ops.hstu.attention(q, k, v, off, 64, 1.0 / D, nt + 1, None, 0, 0, 0, True)
+    torch.cuda.synchronize()
 
 
 GARBAGE = {  # name: (offsets, num_targets, max_seq_len); L = 300
@@ -110,7 +137,7 @@ def test_garbage_offsets_do_not_crash_with_checks_off(name):
     offsets, targets, N = GARBAGE[name]
     q, k, v, _ = _inputs([300], torch.bfloat16, seed=2, requires_grad=True)
     off = torch.tensor(offsets, device="cuda")
-    nt = torch.tensor(targets, device="cuda") if targets is not None else None
+    nt = torch.tensor(targets, device="cuda", dtype=torch.int64) if targets is not None else None
     with hstu_inductor.config.patch(check_inputs="off"):
         out = torch.ops.hstu.attention(q, k, v, off, N, 1.0 / D, nt, None, 0, 0, 0, True)
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
@@ -124,7 +151,7 @@ def test_always_mode_raises_catchable_named_errors(name):
     offsets, targets, N = GARBAGE[name]
     q, k, v, _ = _inputs([300], torch.bfloat16, seed=2)
     off = torch.tensor(offsets, device="cuda")
-    nt = torch.tensor(targets, device="cuda") if targets is not None else None
+    nt = torch.tensor(targets, device="cuda", dtype=torch.int64) if targets is not None else None
     msg = {"decreasing": "non-decreasing", "negative": r"seq_offsets\[0\]", "past_L": r"seq_offsets\[-1\]",
            "longer_than_max_seq_len": "max_seq_len", "targets_out_of_range": "num_targets"}[name]
     with hstu_inductor.config.patch(check_inputs="always"):

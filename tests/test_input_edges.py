@@ -94,3 +94,29 @@ def test_delta_attention_edges(lengths, N):
     out = torch.ops.hstu.delta_attention(dq, k, v, off, N, ALPHA, None, None, 0, 0)
     ref = delta_hstu_mha(N, ALPHA, dq.double(), k.double(), v.double(), off)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("lengths", [[0, 0, 0], []], ids=["all_empty", "no_sequence"])
+def test_cuda_branch_empty_batch_with_targets(lengths, monkeypatch):
+    """Issue 22 (an empty batch with num_targets crashed on CUDA): the ops' CUDA branch (the Triton
+    kernels' Python side and the tensor flags of the device-side check), here on the CPU under the
+    Triton interpreter. Empty output and empty gradients; GPU twin: test_gpu_inputs.py."""
+    import importlib
+
+    from hstu_inductor.kernels import attention as K
+    from hstu_inductor.ops._checks import _flags
+
+    ops_attention = importlib.import_module("hstu_inductor.ops.attention")  # the module, not the op it exports
+    monkeypatch.setattr(ops_attention, "_kernels_for", lambda t: K)  # the CUDA branch, on CPU tensors
+    off, nt = offsets_from_lengths(lengths), torch.zeros(len(lengths), dtype=torch.int64)
+    assert bool(_flags(off, 0, 4, nt, 0).all())  # what CUDA's 'auto' mode asserts on the device
+    if lengths:
+        assert not bool(_flags(off, 0, 4, nt + 1, 0)[4])  # and it does refuse targets > length 0
+    q, k, v = _inputs(lengths)
+    out = _op(q, k, v, off, nt, 4)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert out.shape == (0, H, D) and all(g.shape == (0, H, D) for g in grads)
+    dq = q.detach()[:0]
+    assert torch.ops.hstu.delta_attention(dq, k.detach(), v.detach(), off, 4, ALPHA, nt, None, 0, 0).shape == (0, H, D)
+    dq_, dk, dv = K.hstu_attention_bwd(out.detach(), q.detach(), k.detach(), v.detach(), off, 4, ALPHA, nt)
+    assert dq_.shape == dk.shape == dv.shape == (0, H, D)
