@@ -620,7 +620,8 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
 def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
                     stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
                     RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab, IV_h, stride_ir, stride_ic,
-                    n0, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
+                    n0, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
+                    HAS_TGT: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
                     TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
                     EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -724,8 +725,8 @@ def _hstu_bwd_dkdv_kernel(
     if HAS_IV:  # every query block, each skipped unless one of its rows sees this key block
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                  stride_dod, stride_dqm, stride_sm, 0, n, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab, IV_h,
-                                 stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab,
+                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                  HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                  BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
     else:
@@ -740,20 +741,20 @@ def _hstu_bwd_dkdv_kernel(
                                      EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                  stride_dod, stride_dqm, stride_sm, qa, qf, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab, IV_h,
-                                 stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab,
+                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                  HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                  BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                  stride_dod, stride_dqm, stride_sm, qf, qe, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab, IV_h,
-                                 stride_ir, stride_ic, n0, BLOCK_N, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab,
+                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                  HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                  BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                  stride_dod, stride_dqm, stride_sm, qe, qz, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab, IV_h,
-                                 stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab,
+                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                  HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                  BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
 

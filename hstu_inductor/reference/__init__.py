@@ -6,7 +6,7 @@ from .stu import HSTUModel, STULayer, stu_layer, stu_output, stu_preprocess
 
 __all__ = [
     "delta_hstu_mha", "hstu_mha", "hstu_mha_backward", "validate_attention_inputs", "validate_rab_intervals",
-    "jagged_to_padded", "lengths_from_offsets",
-    "padded_to_jagged", "row_to_sequence", "validate_jagged", "hstu_mask", "interval_mask", "position_ids", "sla_intervals", "HSTUModel",
-    "STULayer", "stu_layer", "stu_output", "stu_preprocess",
+    "jagged_to_padded", "lengths_from_offsets", "padded_to_jagged", "row_to_sequence", "validate_jagged", "hstu_mask",
+    "interval_mask", "position_ids", "sla_intervals", "HSTUModel", "STULayer", "stu_layer", "stu_output",
+    "stu_preprocess",
 ]
