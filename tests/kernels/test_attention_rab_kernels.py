@@ -60,17 +60,16 @@ def _check(q, k, v, dout, off, n, alpha, *, rab=None, intervals=None, tma=False,
     got = K.hstu_attention_bwd(dout, q, k, v, off, n, alpha, tma=tma, deterministic=deterministic, rab=rab,
                                intervals=intervals, rab_grad=rab is not None, **kw)
     rq, rk, rv, rdo = ref_inputs or (q, k, v, dout)
-    leaves = [t.detach().cpu().double().requires_grad_() for t in (rq, rk, rv)]
-    rab64 = None if rab is None else rab.detach().cpu().double().requires_grad_()
-    ref = hstu_mha(n, alpha, *leaves, off.cpu(), rab=rab64, intervals=None if intervals is None else intervals.cpu(),
-                   training=False, **{a: (b.cpu() if isinstance(b, torch.Tensor) else b) for a, b in kw.items()})
-    ref.backward(rdo.cpu().double())
+    leaves = [t.detach().double().requires_grad_() for t in (rq, rk, rv)]
+    rab64 = None if rab is None else rab.detach().double().requires_grad_()
+    ref = hstu_mha(n, alpha, *leaves, off, rab=rab64, intervals=intervals, training=False, **kw)
+    ref.backward(rdo.double())
     want = [t.grad for t in leaves] + ([rab64.grad] if rab is not None else [])
-    assert out.dtype == q.dtype and rel_err(out.cpu(), ref) < tol, f"fwd {rel_err(out.cpu(), ref):.2e}"
+    assert out.dtype == q.dtype and rel_err(out, ref) < tol, f"fwd {rel_err(out, ref):.2e}"
     assert len(got) == len(want)
     for name, x, r in zip(("dq", "dk", "dv", "drab"), got, want):
         assert x.shape == r.shape and x.dtype == (rab.dtype if name == "drab" else q.dtype), name
-        e = rel_err(x.cpu(), r)
+        e = rel_err(x, r)
         assert e < tol, f"{name} rel err {e:.2e}"
 
 
@@ -176,44 +175,39 @@ def test_rab_interval_argument_errors():
 # ------------------------------------------------------------------------------------------
 
 
-def _gpu_lengths(B, n, seed):
+def _gpu_batch(tma, B, n, H, D, dtype, seed):
+    """(q, k, v, dout, offsets, num_targets on the CPU) with lengths in [n/2, n], one of n and one of 1."""
+    if tma and not K.tma_supported(torch.device("cuda")):
+        pytest.skip("no TMA on this GPU")
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(n // 2, n + 1, (B,), generator=g).tolist()
     lengths[0], lengths[1] = n, 1
-    return lengths
+    nt = torch.randint(0, 20, (B,), generator=g).clamp(max=torch.tensor(lengths))
+    return (*_batch(lengths, H, D, dtype, seed=seed + 1), nt)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", [(8, 2), (1, 2), (8, 1), (1, 1)], ids=["BH", "1H", "B1", "11"])
-def test_gpu_rab(shape, dtype, tma, poison):
-    if tma and not K.tma_supported(torch.device("cuda")):
-        pytest.skip("no TMA on this GPU")
-    B, n, H, D = 8, 512, 2, 128
-    lengths = _gpu_lengths(B, n, seed=1)
-    q, k, v, dout, off = _batch(lengths, H, D, dtype, seed=2)
-    nt = torch.randint(1, 20, (B,), generator=torch.Generator().manual_seed(3)).clamp(
-        max=torch.tensor(lengths)).to(DEV)
+def test_gpu_rab(shape, dtype, tma, poison, monkeypatch):
+    n, H, D = 512, 2, 128
+    q, k, v, dout, off, nt = _gpu_batch(tma, 8, n, H, D, dtype, seed=1)
     rab = _rab(shape, n, H, dtype, seed=4)
-    for det in (True, False):
-        _check(q, k, v, dout, off, n, 1.0 / D, rab=rab, tma=tma, deterministic=det, num_targets=nt,
-               max_attn_len=100, contextual_seq_len=5)
+    for algo in ("split", "atomic"):
+        monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
+        _check(q, k, v, dout, off, n, 1.0 / D, rab=rab, tma=tma, deterministic=algo == "split",
+               num_targets=nt.to(DEV), max_attn_len=100, contextual_seq_len=5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gpu_intervals(dtype, tma, poison, monkeypatch):
-    if tma and not K.tma_supported(torch.device("cuda")):
-        pytest.skip("no TMA on this GPU")
-    B, n, H, D = 8, 1024, 2, 128
-    lengths = _gpu_lengths(B, n, seed=5)
-    q, k, v, dout, off = _batch(lengths, H, D, dtype, seed=6)
-    nt = torch.randint(0, 20, (B,), generator=torch.Generator().manual_seed(7)).clamp(
-        max=torch.tensor(lengths))
+    n, H, D = 1024, 2, 128
+    q, k, v, dout, off, nt = _gpu_batch(tma, 8, n, H, D, dtype, seed=5)
     sla = sla_intervals(off.cpu(), nt, k1=128, k2=64, contextual_seq_len=8).to(DEV)
-    rnd = _random_intervals(lengths, H, seed=8)
+    rnd = _random_intervals((off[1:] - off[:-1]).tolist(), H, seed=8)
     rab = _rab((1, H), n, H, dtype, seed=9)
     for algo in ("split", "atomic"):
         monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
