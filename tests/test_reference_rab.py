@@ -2,11 +2,14 @@
 (written from HSTU_SEMANTICS.md / docs/semantics.md), in float64 with fresh random inputs."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from _helpers import loop_attention, offsets_from_lengths, random_jagged, rel_err, spec_sla_visible
-from hstu_inductor.reference import hstu_mha, hstu_mha_backward, interval_mask, sla_intervals
+from hstu_inductor.reference import (hstu_mha, hstu_mha_backward, interval_mask, relative_bias, sla_intervals,
+                                     time_buckets)
 
 LENGTHS = [0, 1, 6, 4]  # includes 0, 1 and N
 N, H = 6, 2
@@ -130,3 +133,39 @@ def test_rab_interval_validation():
     for kw, msg in bad:
         with pytest.raises(RuntimeError, match=msg):
             hstu_mha(4, 0.5, q, k, v, off, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# The original HSTU's bias from two tables (positions and time buckets), as a dense rab
+# ---------------------------------------------------------------------------------------------
+def _loop_relative_bias(ts_jagged, lengths, n, pos_w, ts_w):
+    """rab_b(i, j) per element, straight from HSTU_SEMANTICS.md (timestamps padded with 0)."""
+    nb = ts_w.shape[0] - 1
+    out = torch.zeros(len(lengths), 1, n, n, dtype=torch.float64)
+    start = 0
+    for b, m in enumerate(lengths):
+        ts = [float(ts_jagged[start + p]) if p < m else 0.0 for p in range(n)]
+        start += m
+        for i in range(n):
+            nxt = i + 1 if i < n - 1 else n - 1
+            for j in range(n):
+                dt = ts[nxt] - ts[j]
+                bucket = min(max(math.floor(math.log(max(abs(dt), 1.0)) / 0.301), 0), nb)
+                out[b, 0, i, j] = float(pos_w.detach()[n - 1 + j - i]) + float(ts_w.detach()[bucket])
+    return out
+
+
+def test_relative_bias_matches_loop_and_flows_to_tables():
+    lengths, n = [4, 0, 1, 6], 6
+    off = offsets_from_lengths(lengths)
+    g = torch.Generator().manual_seed(70)
+    ts = torch.randint(0, 3000, (sum(lengths),), generator=g).cumsum(0)
+    pos_w = torch.randn(2 * n - 1, generator=g, dtype=torch.float64, requires_grad=True)
+    ts_w = torch.randn(9, generator=g, dtype=torch.float64, requires_grad=True)
+    rab = relative_bias(ts, off, n, pos_w, ts_w)
+    assert rab.shape == (4, 1, n, n)
+    assert rel_err(rab, _loop_relative_bias(ts, lengths, n, pos_w, ts_w)) < 1e-15
+    q, k, v, _ = random_jagged(lengths, H=H, Dq=3, Dv=4, seed=71)
+    assert torch.autograd.gradcheck(
+        lambda p_, t_: hstu_mha(n, 0.5, q, k, v, off, rab=relative_bias(ts, off, n, p_, t_)), (pos_w, ts_w))
+    assert time_buckets(torch.tensor([0, 1, -1, 2, 3, -20, 10 ** 9]), 8).tolist() == [0, 0, 0, 2, 3, 8, 8]
