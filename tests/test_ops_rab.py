@@ -134,3 +134,31 @@ def test_rab_interval_input_errors():
         a.update(kw)
         with pytest.raises(RuntimeError, match=msg):
             ops.attention(q, k, v, off, Nn, alpha, a["num_targets"], None, 0, 0, 0, True, a["rab"], a["intervals"])
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the op's kernel branch, eager and under torch.compile (Inductor embeds the kernels)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gpu_op_rab_intervals(compiled):
+    torch.manual_seed(0)
+    lengths, n, heads, d = [300, 1, 256, 97], 300, 2, 64
+    q, k, v, off = (t.cuda() for t in random_jagged(lengths, heads, d, d, dtype=torch.float64, seed=9))
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    rab = torch.randn(1, heads, n, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    iv = ref.sla_intervals(off.cpu(), torch.tensor([3, 0, 5, 1]), k1=64, k2=16, contextual_seq_len=4).cuda()
+
+    def fn(q_, k_, v_, r_):
+        return ops.attention(q_, k_, v_, off, n, 1.0 / d, None, None, 0, 0, 0, True, r_, iv)
+
+    f = torch.compile(fn, fullgraph=True) if compiled else fn
+    out = f(q, k, v, rab)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [q, k, v, rab], g)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, rab)]
+    want_out = ref.hstu_mha(n, 1.0 / d, *leaves[:3], off, rab=leaves[3], intervals=iv)
+    want = torch.autograd.grad(want_out, leaves, g.double())
+    assert rel_err(out, want_out) < 2e-2
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16 and rel_err(a, b) < 2e-2
