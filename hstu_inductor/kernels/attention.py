@@ -554,7 +554,7 @@ def _hstu_fwd_kernel(
 @triton.jit
 def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
                    stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
-                   RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab, x0, x1, x2,
+                   RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, x0, x1, x2,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
                    TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
@@ -588,10 +588,10 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
         p16 = tl.where(ok, p16, 0.0)
         ds16 = tl.where(ok, ds16, 0.0)
     if RAB_GRAD:
-        # d rab[i, j] = dS_pre (row scale included): each (b, h, i, j) is written by exactly one
-        # program step, so the [B, H, N, N] buffer needs no atomics and is bitwise repeatable
+        # d rab[i, j] = dS_pre (per-row scales included via dO; a scalar scale is applied on the host):
+        # each (b, h, i, j) is written by exactly one program step, so no atomics, bitwise repeatable
         tl.store(DRAB_b + offs_m[None, :].to(tl.int64) * stride_gi + offs_n[:, None].to(tl.int64) * stride_gj,
-                 (ds16.to(tl.float32) * sc_drab).to(DRAB_b.dtype.element_ty),
+                 ds16.to(DRAB_b.dtype.element_ty),
                  mask=(offs_m[None, :] < n) & (offs_n[:, None] < n))
     dv = tl.dot(p16, do, dv, input_precision=PREC)
     dk = tl.dot(ds16, q, dk, input_precision=PREC)
@@ -619,7 +619,7 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
                     stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
-                    RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab, IV_h, stride_ir, stride_ic,
+                    RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, IV_h, stride_ir, stride_ic,
                     n0, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
                     HAS_TGT: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
@@ -638,13 +638,13 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stri
                 dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd,
                                         stride_dom, stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M,
                                         c, w, f, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi,
-                                        stride_gj, sc_drab, x0, x1, x2, MASKED, CAUSAL, HAS_CTX, HAS_TGT,
+                                        stride_gj, x0, x1, x2, MASKED, CAUSAL, HAS_CTX, HAS_TGT,
                                         HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
                                         EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
         else:
             dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
                                     stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha,
-                                    DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab,
+                                    DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
                                     offs_m0, offs_m0, offs_m0, MASKED, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                     HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                     BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
@@ -705,12 +705,6 @@ def _hstu_bwd_dkdv_kernel(
     v = _load_rows(v_src, n0, n, DV, stride_vm, stride_vd, True, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
     DQ_dst = _rows(dq_base, n, DQ, stride_dqm, BLOCK_M, BLOCK_DQ, DQ_MODE == 2)  # TMA reduce-add target
 
-    sc_drab = scale_const  # the score scale of d rab (per-row scales are already folded into dO)
-    if RAB_GRAD:
-        if SCALE_MODE == 1:
-            sc_drab = tl.load(ATTN_SCALE).to(tl.float32)
-        elif SCALE_MODE == 2:
-            sc_drab = 1.0
     RAB_b = RAB
     DRAB_b = DRAB
     IV_h = IV
@@ -725,7 +719,7 @@ def _hstu_bwd_dkdv_kernel(
     if HAS_IV:  # every query block, each skipped unless one of its rows sees this key block
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                  stride_dod, stride_dqm, stride_sm, 0, n, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
                                  IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                  HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                  BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
@@ -736,24 +730,24 @@ def _hstu_bwd_dkdv_kernel(
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                      stride_dod, stride_dqm, stride_sm, 0, cb, offs_n, pi_n, n, M, CTX, WINDOW,
                                      MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi,
-                                     stride_gj, sc_drab, IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX,
+                                     stride_gj, IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX,
                                      HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
                                      EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                  stride_dod, stride_dqm, stride_sm, qa, qf, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
                                  IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                  HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                  BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                  stride_dod, stride_dqm, stride_sm, qf, qe, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
                                  IV_h, stride_ir, stride_ic, n0, BLOCK_N, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                  HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                  BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                  stride_dod, stride_dqm, stride_sm, qe, qz, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, sc_drab,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
                                  IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                  HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                  BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
@@ -1300,19 +1294,21 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     dk = _new((L, H, Dq), k.dtype, k.device)
     dv = _new((L, H, Dv), v.dtype, v.device)
     # d rab: the dK/dV kernel writes dS_pre of every visited (b, h, i, j) once into a zeroed [B, H, N, N]
-    # buffer (skipped tiles and padding stay 0); broadcast dims are summed here. No atomics: deterministic
-    # and free of contention (a [1, H, N, N] rab would otherwise get B-way conflicting adds per element).
-    full = rab_grad and rab.shape[0] == B and rab.shape[1] == H
-    drab = None
-    if rab_grad:
-        drab = torch.zeros((B, H, max_seq_len, max_seq_len), device=q.device,
-                           dtype=rab.dtype if full else torch.float32)
+    # buffer in the inputs' dtype (the same rounded dS it feeds to dK; skipped tiles and padding stay 0);
+    # a scalar score scale and the sum over broadcast dims are applied here in fp32. No atomics:
+    # deterministic and free of contention (a [1, H, N, N] rab would otherwise get B-way conflicting adds).
+    drab = torch.zeros((B, H, max_seq_len, max_seq_len), device=q.device, dtype=q.dtype) if rab_grad else None
 
-    def _ret(dq, dk, dv):
+    def _ret(dq, dk, dv, scale_mode=2, scale_const=1.0, scale_t=None):
         if not rab_grad:
             return dq, dk, dv
+        g = drab.to(torch.float32)
+        if scale_mode == 0:
+            g = g * scale_const
+        elif scale_mode == 1:
+            g = g * scale_t.to(torch.float32)
         bcast = [d for d in (0, 1) if rab.shape[d] == 1 and drab.shape[d] != 1]
-        return dq, dk, dv, (drab.sum(dim=bcast, keepdim=True) if bcast else drab).to(rab.dtype)
+        return dq, dk, dv, (g.sum(dim=bcast, keepdim=True) if bcast else g).to(rab.dtype)
 
     if L == 0 or B <= 0 or H == 0 or max_seq_len <= 0:
         return _ret(torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_())
@@ -1385,4 +1381,4 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
             fin_args = (dq_acc, dq, scale_t, numel, float(alpha) * (scale_const if scale_mode == 0 else 1.0))
             _launcher(_dq_finalize_kernel, fin_args)[(triton.cdiv(numel, block),)](
                 *fin_args, SCALE_MODE=1 if scale_mode == 1 else 0, BLOCK=block)
-    return _ret(dq, dk, dv)
+    return _ret(dq, dk, dv, scale_mode, scale_const, scale_t)
