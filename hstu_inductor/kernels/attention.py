@@ -25,6 +25,11 @@ see it. dQ is either
     atomics, bitwise repeatable); it measured as fast or faster at every N on H100
     (HSTU_INDUCTOR_BWD_ALGO=atomic overrides unless ``deterministic=True``).
 
+Optional, behind constexpr switches (off: the compiled kernels are unchanged, scripts/ptx_unchanged.py):
+a dense relative attention bias added before the silu (``HAS_RAB``; its gradient ``RAB_GRAD`` written
+by the dK/dV kernel) and interval masks replacing the HSTU mask (``HAS_IV``, with per-block tile
+skipping). See docs/semantics.md and docs/kernels.md.
+
 Program order: the row blocks of one (sequence, head) are adjacent programs of a 1-D grid
 (:func:`_tile`), so the CTAs resident at once share their K/V (or Q/dO) tiles in L2.
 
