@@ -87,13 +87,30 @@ def spec_mask(lengths, N, num_targets=None, w=0, c=0, f=0, causal=True) -> torch
 # ---------------------------------------------------------------------------------------------
 # Attention, one sequence / one row / one head at a time, in float64.
 # ---------------------------------------------------------------------------------------------
+def spec_interval_visible(j: int, n: int, x) -> bool:
+    """Key column j of a sequence of length n against one row's (x0, x1, x2): [0, x0) u [x1, x2), j < n."""
+    x0, x1, x2 = (int(a) for a in x)
+    return 0 <= j < n and (j < x0 or x1 <= j < x2)
+
+
+def spec_sla_visible(p: int, j: int, n: int, t: int, k1: int, k2: int, c: int) -> bool:
+    """Semi-local attention, sentence by sentence from HSTU_SEMANTICS.md."""
+    if not (0 <= p < n and 0 <= j < n):
+        return False
+    K2 = max(k2, c)
+    if p >= n - t:  # target row: all of history, not itself
+        return j < n - t
+    return j < min(K2, p + 1) or max(K2, p - k1 + 1) <= j < p + 1
+
+
 def loop_attention(q, k, v, offsets, N, alpha, num_targets=None, attn_scale=None, w=0, c=0, f=0,
-                   causal=True, query_rows=None) -> torch.Tensor:
+                   causal=True, query_rows=None, rab=None, intervals=None) -> torch.Tensor:
     """Per-sequence loop HSTU attention in float64.
 
     ``query_rows``: optional list (per sequence) of raw positions to compute (delta attention);
     then ``q`` holds exactly those rows, sequence by sequence, and ``attn_scale`` (if per-row)
-    is indexed the same way as ``q``.
+    is indexed the same way as ``q``. ``rab: [B|1, H|1, N, N]`` is added inside the silu;
+    ``intervals: [H|1, L, 3]`` replaces the mask (per head).
     """
     q, k, v = q.detach().double(), k.detach().double(), v.detach().double()
     H, Dv = v.shape[1], v.shape[2]
@@ -114,10 +131,15 @@ def loop_attention(q, k, v, offsets, N, alpha, num_targets=None, attn_scale=None
                 scale = float(attn_scale[qrow if query_rows is not None else s + i])
             acc = torch.zeros(H, Dv, dtype=torch.float64)
             for j in range(n):
-                if not spec_valid(i, j, n, t, w, c, f, causal):
+                if intervals is None and not spec_valid(i, j, n, t, w, c, f, causal):
                     continue
                 for h in range(H):
+                    if intervals is not None and not spec_interval_visible(
+                            j, n, intervals[h if intervals.shape[0] > 1 else 0, s + i]):
+                        continue
                     x = alpha * float(torch.dot(qi[h], k[s + j, h]))
+                    if rab is not None:
+                        x += float(rab[b if rab.shape[0] > 1 else 0, h if rab.shape[1] > 1 else 0, i, j])
                     score = x / (1.0 + math.exp(-x)) * scale  # silu
                     acc[h] += score * v[s + j, h]
             outs.append(acc)

@@ -25,6 +25,11 @@ see it. dQ is either
     atomics, bitwise repeatable); it measured as fast or faster at every N on H100
     (HSTU_INDUCTOR_BWD_ALGO=atomic overrides unless ``deterministic=True``).
 
+Optional, behind constexpr switches (off: the compiled kernels are unchanged, scripts/ptx_unchanged.py):
+a dense relative attention bias added before the silu (``HAS_RAB``; its gradient ``RAB_GRAD`` written
+by the dK/dV kernel) and interval masks replacing the HSTU mask (``HAS_IV``, with per-block tile
+skipping). See docs/semantics.md and docs/kernels.md.
+
 Program order: the row blocks of one (sequence, head) are adjacent programs of a 1-D grid
 (:func:`_tile`), so the CTAs resident at once share their K/V (or Q/dO) tiles in L2.
 
@@ -117,6 +122,55 @@ def _valid(i, j, pi_i, pi_j, n, M, w, f, CAUSAL: tl.constexpr, HAS_CTX: tl.const
             v = v | ((pi_i == 0) & (pi_j < M))
         ok = ok & v
     return ok
+
+
+@triton.jit
+def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
+    """rab[i, j] of one (sequence, head) for the position vectors ``rows`` (i, [:, None]-shaped) and
+    ``cols`` (j), zero outside the sequence, in fp32. Strides are 0 along broadcast dims."""
+    return tl.load(RAB_b + rows.to(tl.int64) * stride_ri + cols.to(tl.int64) * stride_rj,
+                   mask=(rows < n) & (cols < n), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pre_silu(s, alpha, RAB_b, rows, cols, n, stride_ri, stride_rj, HAS_RAB: tl.constexpr):
+    """(x, a) with silu(a * x) the score: (s, alpha) without rab (today's code unchanged), else
+    (alpha * s + rab, 1)."""
+    if HAS_RAB:
+        return s * alpha + _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj), 1.0
+    else:
+        return s, alpha
+
+
+@triton.jit
+def _iv_valid(i, j, x0, x1, x2, n):
+    """Interval mask (it replaces the HSTU mask): key j visible to row i iff j in [0, x0) | [x1, x2), j < n."""
+    return (i < n) & (j < n) & ((j < x0) | ((j >= x1) & (j < x2)))
+
+
+@triton.jit
+def _iv_rows(IV_h, row0, offs, nrows, stride_ir, stride_ic):
+    """(x0, x1, x2) int32 vectors of rows ``row0 + offs`` (zeros, i.e. nothing visible, past ``nrows``)."""
+    ptr = IV_h + (row0 + offs).to(tl.int64) * stride_ir
+    m = offs < nrows
+    x0 = tl.load(ptr, mask=m, other=0).to(tl.int32)
+    x1 = tl.load(ptr + stride_ic, mask=m, other=0).to(tl.int32)
+    x2 = tl.load(ptr + 2 * stride_ic, mask=m, other=0).to(tl.int32)
+    return x0, x1, x2
+
+
+@triton.jit
+def _iv_key_range(x0, x1, x2, n, BLOCK_N: tl.constexpr):
+    """Key tiles a query block with row intervals (x0, x1, x2) can see: [0, a) and [b, e), multiples of
+    BLOCK_N (b >= a). Tiles in [a, b) are invisible to every row: past every x0 and before every x1."""
+    hi0 = tl.minimum(tl.maximum(tl.max(x0, axis=0), 0), n)
+    has2 = x2 > x1
+    lo1 = tl.minimum(tl.maximum(tl.min(tl.where(has2, x1, n), axis=0), 0), n)
+    hi2 = tl.minimum(tl.maximum(tl.max(tl.where(has2, x2, 0), axis=0), 0), n)
+    a = (hi0 + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    b = tl.maximum(lo1 // BLOCK_N * BLOCK_N, a)
+    e = (hi2 + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    return a, b, e
 
 
 @triton.jit
@@ -363,25 +417,30 @@ def _store_rows(dst, r0, x, n, D, stride_m, stride_d, TMA: tl.constexpr, BLOCK: 
 
 @triton.jit
 def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
-               n, M, c, w, f, alpha, DQ, DV,
+               n, M, c, w, f, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+               HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = _load_rows(K_src, start_n, n, DQ, stride_km, stride_kd, MASKED, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        s, a = _pre_silu(s, alpha, RAB_b, pos_m[:, None], offs_n[None, :], n, stride_ri, stride_rj, HAS_RAB)
         if FAST == 2:
-            p = _silu_packed((s * (0.5 * alpha)).to(v.dtype))
+            p = _silu_packed((s * (0.5 * a)).to(v.dtype))
         else:
-            p = _silu(s, alpha, FAST).to(v.dtype)
+            p = _silu(s, a, FAST).to(v.dtype)
         if MASKED:
-            pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
-            ok = _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL,
-                        HAS_CTX, HAS_WINDOW, HAS_MINFULL)
+            if HAS_IV:
+                ok = _iv_valid(pos_m[:, None], offs_n[None, :], x0[:, None], x1[:, None], x2[:, None], n)
+            else:
+                pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
+                ok = _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL,
+                            HAS_CTX, HAS_WINDOW, HAS_MINFULL)
             p = tl.where(ok, p, 0.0)
         acc = tl.dot(p, v, acc, input_precision=PREC)
     return acc
@@ -394,11 +453,13 @@ def _hstu_fwd_kernel(
     stride_om, stride_oh, stride_od, stride_sm,
     alpha, scale_const, one,
     H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, CTX, WINDOW, MINFULL, N_BUCKET,
+    RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, DELTA: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
+    HAS_RAB: tl.constexpr = False, HAS_IV: tl.constexpr = False,
 ):
     # Inductor passes Python float arguments of user kernels as fp64 (a direct launch passes fp32):
     # cast once so the score math and the fp32-only inline-asm silu see fp32 on both paths.
@@ -443,21 +504,39 @@ def _hstu_fwd_kernel(
         # from shared memory (with Q in shared memory, BLOCK_N <= 64 tiles are shared-memory bound).
         q = (q.to(tl.float32) * one).to(q.dtype)
 
-    m_first = tl.maximum(pos0 + r0, 0)
-    m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
-    a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
-                                  HAS_TGT, HAS_WINDOW, HAS_MINFULL)
-
+    RAB_b = RAB
+    if HAS_RAB:
+        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, pos_m, pi_m,
-                     n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                     HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
-    acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, pos_m, pi_m,
-                     n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                     HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
-    acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, pos_m, pi_m,
-                     n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                     HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
+    if HAS_IV:  # intervals replace the HSTU mask: every visited tile is masked, invisible tiles skipped
+        x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
+                              stride_ir, stride_ic)
+        a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
+        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, pos_m, pi_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2, True,
+                         CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
+                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, pos_m, pi_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2, True,
+                         CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
+                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+    else:
+        m_first = tl.maximum(pos0 + r0, 0)
+        m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
+        a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
+                                      HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, pos_m, pi_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, pos_m, pos_m,
+                         pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, pos_m, pi_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, pos_m, pos_m,
+                         pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, pos_m, pi_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, pos_m, pos_m,
+                         pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
 
     if SCALE_MODE == 0:
         acc = acc * scale_const
@@ -478,56 +557,102 @@ def _hstu_fwd_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
-                    stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
-                    TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
-                    EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr):
-    offs_m0 = tl.arange(0, BLOCK_M)
+def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
+                   stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
+                   RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, x0, x1, x2,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
+                   TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
+                   EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr):
+    """One query block [start_m, start_m + BLOCK_M) against the key block of this program."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dq = tl.arange(0, BLOCK_DQ)
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + offs_m0
-        q = _load_rows(Q_src, start_m, n, DQ, stride_qm, stride_qd, MASKED, EVEN_DQ, TMA, BLOCK_M, BLOCK_DQ)
-        do = _load_rows(DO_src, start_m, n, DV, stride_dom, stride_dod, MASKED, EVEN_DV, TMA, BLOCK_M, BLOCK_DV)
-        if SCALE_MODE == 2:
-            sc = tl.load(S_base + offs_m * stride_sm, mask=offs_m < n, other=0.0).to(tl.float32)
-            do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-        if FAST == 2:
-            p16, ds16 = _silu_bwd_packed((s_t * (0.5 * alpha)).to(q.dtype), dp_t.to(q.dtype))
+    q = _load_rows(Q_src, start_m, n, DQ, stride_qm, stride_qd, MASKED, EVEN_DQ, TMA, BLOCK_M, BLOCK_DQ)
+    do = _load_rows(DO_src, start_m, n, DV, stride_dom, stride_dod, MASKED, EVEN_DV, TMA, BLOCK_M, BLOCK_DV)
+    if SCALE_MODE == 2:
+        sc = tl.load(S_base + offs_m * stride_sm, mask=offs_m < n, other=0.0).to(tl.float32)
+        do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
+    s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+    s_t, a = _pre_silu(s_t, alpha, RAB_b, offs_m[None, :], offs_n[:, None], n, stride_ri, stride_rj, HAS_RAB)
+    if FAST == 2:
+        p16, ds16 = _silu_bwd_packed((s_t * (0.5 * a)).to(q.dtype), dp_t.to(q.dtype))
+    else:
+        p_t, dsilu_t = _silu_and_grad(s_t, a, FAST)
+        p16 = p_t.to(q.dtype)
+        ds16 = (dp_t * dsilu_t).to(q.dtype)
+    if MASKED:
+        if HAS_IV:
+            ok = _iv_valid(offs_m[None, :], offs_n[:, None], x0[None, :], x1[None, :], x2[None, :], n)
         else:
-            p_t, dsilu_t = _silu_and_grad(s_t, alpha, FAST)
-            p16 = p_t.to(q.dtype)
-            ds16 = (dp_t * dsilu_t).to(q.dtype)
-        if MASKED:
             pi_m = _ids(offs_m, c, M, HAS_CTX, HAS_TGT)
             ok = _valid(offs_m[None, :], offs_n[:, None], pi_m[None, :], pi_n[:, None], n, M, w, f, CAUSAL,
                         HAS_CTX, HAS_WINDOW, HAS_MINFULL)
-            p16 = tl.where(ok, p16, 0.0)
-            ds16 = tl.where(ok, ds16, 0.0)
-        dv = tl.dot(p16, do, dv, input_precision=PREC)
-        dk = tl.dot(ds16, q, dk, input_precision=PREC)
-        if DQ_MODE == 1:
-            dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
-            # 32-bit offsets from the (sequence, head) base: 64-bit per-element pointers cost registers
-            dq_off = offs_m[:, None] * stride_dqm + offs_dq[None, :]
-            tl.atomic_add(DQ_dst + dq_off, dq, mask=(offs_m[:, None] < n) & (offs_dq[None, :] < DQ),
-                          sem="relaxed")
-        elif DQ_MODE == 3:  # vectorized fp32 reduction, two adjacent columns per instruction (sm90)
-            dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
-            dq_off = offs_m[:, None] * stride_dqm + offs_dq[None, :]
-            row_ok = ((offs_m[:, None] < n) & (offs_dq[None, :] < DQ)).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.relaxed.gpu.global.add.v2.f32 [$2], {$6, $7}; "
-                "mov.b32 $0, 0; mov.b32 $1, 0; }",
-                "=r,=r,l,l,r,r,r,r", [(DQ_dst + dq_off).to(tl.int64), row_ok, dq], dtype=tl.int32,
-                is_pure=False, pack=2)
-        elif DQ_MODE == 2:
-            dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
-            DQ_dst.atomic_add([start_m, 0], dq)
+        p16 = tl.where(ok, p16, 0.0)
+        ds16 = tl.where(ok, ds16, 0.0)
+    if RAB_GRAD:
+        # d rab[i, j] = dS_pre (per-row scales included via dO; a scalar scale is applied on the host):
+        # each (b, h, i, j) is written by exactly one program step, so no atomics, bitwise repeatable
+        tl.store(DRAB_b + offs_m[None, :].to(tl.int64) * stride_gi + offs_n[:, None].to(tl.int64) * stride_gj,
+                 ds16.to(DRAB_b.dtype.element_ty),
+                 mask=(offs_m[None, :] < n) & (offs_n[:, None] < n))
+    dv = tl.dot(p16, do, dv, input_precision=PREC)
+    dk = tl.dot(ds16, q, dk, input_precision=PREC)
+    if DQ_MODE == 1:
+        dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
+        # 32-bit offsets from the (sequence, head) base: 64-bit per-element pointers cost registers
+        dq_off = offs_m[:, None] * stride_dqm + offs_dq[None, :]
+        tl.atomic_add(DQ_dst + dq_off, dq, mask=(offs_m[:, None] < n) & (offs_dq[None, :] < DQ),
+                      sem="relaxed")
+    elif DQ_MODE == 3:  # vectorized fp32 reduction, two adjacent columns per instruction (sm90)
+        dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
+        dq_off = offs_m[:, None] * stride_dqm + offs_dq[None, :]
+        row_ok = ((offs_m[:, None] < n) & (offs_dq[None, :] < DQ)).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.relaxed.gpu.global.add.v2.f32 [$2], {$6, $7}; "
+            "mov.b32 $0, 0; mov.b32 $1, 0; }",
+            "=r,=r,l,l,r,r,r,r", [(DQ_dst + dq_off).to(tl.int64), row_ok, dq], dtype=tl.int32,
+            is_pure=False, pack=2)
+    elif DQ_MODE == 2:
+        dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
+        DQ_dst.atomic_add([start_m, 0], dq)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
+                    stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
+                    RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, IV_h, stride_ir, stride_ic,
+                    n0, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
+                    HAS_TGT: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
+                    TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
+                    EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr):
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        if HAS_IV:
+            # skip query blocks none of whose rows sees a key of this block (intervals from IV_h rows)
+            x0, x1, x2 = _iv_rows(IV_h, start_m, offs_m0, n - start_m, stride_ir, stride_ic)
+            key_hi = tl.minimum(n0 + BLOCK_N, n)
+            row_hit = (x0 > n0) | (tl.maximum(x1, n0) < tl.minimum(x2, key_hi))
+            if tl.max(row_hit.to(tl.int32), axis=0) > 0:
+                dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd,
+                                        stride_dom, stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M,
+                                        c, w, f, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi,
+                                        stride_gj, x0, x1, x2, MASKED, CAUSAL, HAS_CTX, HAS_TGT,
+                                        HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
+                                        EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
+        else:
+            dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
+                                    stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha,
+                                    DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
+                                    offs_m0, offs_m0, offs_m0, MASKED, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                    HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
+                                    BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
     return dk, dv
 
 
@@ -539,11 +664,14 @@ def _hstu_bwd_dkdv_kernel(
     stride_sm,
     alpha, scale_const,
     H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
+    RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
+    DRAB, stride_gb, stride_gh, stride_gi, stride_gj,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True,
+    HAS_RAB: tl.constexpr = False, RAB_GRAD: tl.constexpr = False, HAS_IV: tl.constexpr = False,
 ):
     alpha, scale_const = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32)  # fp64 under Inductor
     # early key blocks are seen by the most query rows: launched first
@@ -582,28 +710,52 @@ def _hstu_bwd_dkdv_kernel(
     v = _load_rows(v_src, n0, n, DV, stride_vm, stride_vd, True, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
     DQ_dst = _rows(dq_base, n, DQ, stride_dqm, BLOCK_M, BLOCK_DQ, DQ_MODE == 2)  # TMA reduce-add target
 
-    cb, qa, qf, qe, qz = _bwd_query_range(n0, n, M, CTX, WINDOW, MINFULL, BLOCK_M, BLOCK_N, CAUSAL, HAS_CTX,
-                                          HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+    RAB_b = RAB
+    DRAB_b = DRAB
+    IV_h = IV
+    if HAS_RAB:
+        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
+    if RAB_GRAD:
+        DRAB_b = DRAB + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+    if HAS_IV:
+        IV_h = IV + h.to(tl.int64) * stride_ih + start * stride_ir
     dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    if HAS_CTX:
+    if HAS_IV:  # every query block, each skipped unless one of its rows sees this key block
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
-                                 stride_dod, stride_dqm, stride_sm, 0, cb, offs_n, pi_n, n, M, CTX, WINDOW,
-                                 MINFULL, alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL,
-                                 SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ,
-                                 BLOCK_DV)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
-                             stride_dod, stride_dqm, stride_sm, qa, qf, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                             alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE,
-                             TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
-                             stride_dod, stride_dqm, stride_sm, qf, qe, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                             alpha, DQ, DV, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE,
-                             TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
-                             stride_dod, stride_dqm, stride_sm, qe, qz, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                             alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE,
-                             TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV)
+                                 stride_dod, stride_dqm, stride_sm, 0, n, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
+                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                 HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
+                                 BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
+    else:
+        cb, qa, qf, qe, qz = _bwd_query_range(n0, n, M, CTX, WINDOW, MINFULL, BLOCK_M, BLOCK_N, CAUSAL, HAS_CTX,
+                                              HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+        if HAS_CTX:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
+                                     stride_dod, stride_dqm, stride_sm, 0, cb, offs_n, pi_n, n, M, CTX, WINDOW,
+                                     MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi,
+                                     stride_gj, IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX,
+                                     HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
+                                     EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
+                                 stride_dod, stride_dqm, stride_sm, qa, qf, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
+                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                 HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
+                                 BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
+                                 stride_dod, stride_dqm, stride_sm, qf, qe, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
+                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                 HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
+                                 BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
+                                 stride_dod, stride_dqm, stride_sm, qe, qz, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
+                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
+                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                 HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
+                                 BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
 
     if SCALE_MODE == 0:
         sc = scale_const
@@ -626,11 +778,12 @@ def _hstu_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
-                  n, M, c, w, f, alpha, DQ, DV,
+                  n, M, c, w, f, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                   PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -638,15 +791,19 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        s, a = _pre_silu(s, alpha, RAB_b, pos_m[:, None], offs_n[None, :], n, stride_ri, stride_rj, HAS_RAB)
         if FAST == 2:
-            _, ds = _silu_bwd_packed((s * (0.5 * alpha)).to(k.dtype), dp.to(k.dtype))
+            _, ds = _silu_bwd_packed((s * (0.5 * a)).to(k.dtype), dp.to(k.dtype))
         else:
-            _, dsilu = _silu_and_grad(s, alpha, FAST)
+            _, dsilu = _silu_and_grad(s, a, FAST)
             ds = (dp * dsilu).to(k.dtype)
         if MASKED:
-            pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
-            ok = _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL,
-                        HAS_CTX, HAS_WINDOW, HAS_MINFULL)
+            if HAS_IV:
+                ok = _iv_valid(pos_m[:, None], offs_n[None, :], x0[:, None], x1[:, None], x2[:, None], n)
+            else:
+                pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
+                ok = _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL,
+                            HAS_CTX, HAS_WINDOW, HAS_MINFULL)
             ds = tl.where(ok, ds, 0.0)
         dq = tl.dot(ds, k, dq, input_precision=PREC)
     return dq
@@ -659,11 +816,13 @@ def _hstu_bwd_dq_kernel(
     stride_dom, stride_doh, stride_dod, stride_dqm, stride_dqh, stride_sm,
     alpha, scale_const, one,
     H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
+    RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
+    HAS_RAB: tl.constexpr = False, HAS_IV: tl.constexpr = False,
 ):
     # fp64 under Inductor: see the forward kernel
     alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
@@ -696,19 +855,38 @@ def _hstu_bwd_dq_kernel(
         if SCALE_MODE != 2:
             do = (do.to(tl.float32) * one).to(q.dtype)
 
-    m_last = tl.minimum(r0 + BLOCK_M, n) - 1
-    a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
-                                  HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+    RAB_b = RAB
+    if HAS_RAB:
+        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
     dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32)
-    dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, offs_r, pi_m,
-                       n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                       HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
-    dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, offs_r, pi_m,
-                       n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                       HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
-    dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, offs_r, pi_m,
-                       n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                       HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV)
+    if HAS_IV:  # as in the forward kernel
+        x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
+                              stride_ir, stride_ic)
+        a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
+        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, offs_r, pi_m,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2, True,
+                           CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
+                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, offs_r, pi_m,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2, True,
+                           CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
+                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+    else:
+        m_last = tl.minimum(r0 + BLOCK_M, n) - 1
+        a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
+                                      HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, offs_r, pi_m,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, offs_r, offs_r,
+                           offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, offs_r, pi_m,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, offs_r, offs_r,
+                           offs_r, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, offs_r, pi_m,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, offs_r, offs_r,
+                           offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
     if SCALE_MODE == 0:
         sc = scale_const
     elif SCALE_MODE == 1:
@@ -956,16 +1134,50 @@ def _scale_args(attn_scale, max_seq_len, device, rows):
     return 2, 1.0, attn_scale, attn_scale.stride(0)
 
 
+def _rab_args(rab, B, H, max_seq_len):
+    """(rab, stride_b, stride_h, stride_i, stride_j) for a dense ``[B|1, H|1, N, N]`` rab (stride 0 along
+    broadcast dims), or placeholders without one."""
+    if rab is None:
+        return (None, 0, 0, 0, 0)
+    if rab.dim() != 4 or rab.shape[0] not in (1, B) or rab.shape[1] not in (1, H) \
+            or rab.shape[2] != max_seq_len or rab.shape[3] != max_seq_len:
+        raise ValueError(f"hstu attention: rab must be [B|1, H|1, N, N] = [{B}|1, {H}|1, {max_seq_len}, "
+                         f"{max_seq_len}], got {tuple(rab.shape)}")
+    if rab.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"hstu attention: rab must be fp16/bf16/fp32, got {rab.dtype}")
+    return (rab, rab.stride(0) if rab.shape[0] > 1 else 0, rab.stride(1) if rab.shape[1] > 1 else 0,
+            rab.stride(2), rab.stride(3))
+
+
+def _iv_args(intervals, H, rows):
+    """(intervals, stride_h, stride_row, stride_col) for ``[H|1, L, 3]`` int32/int64 intervals."""
+    if intervals is None:
+        return (None, 0, 0, 0)
+    if intervals.dim() != 3 or intervals.shape[0] not in (1, H) or intervals.shape[1] != rows \
+            or intervals.shape[2] != 3 or intervals.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"hstu attention: intervals must be an int32/int64 [H|1, L, 3] = [{H}|1, {rows}, 3] "
+                         f"tensor, got {tuple(intervals.shape)} {intervals.dtype}")
+    return (intervals, intervals.stride(0) if intervals.shape[0] > 1 else 0, intervals.stride(1),
+            intervals.stride(2))
+
+
 def _n_bucket(max_seq_len) -> int:
     """The autotuning key for N (power of two); unused by the kernels' arithmetic, so a symbolic N
     is keyed by its compile-time value without a guard."""
     return triton.next_power_of_2(_compat.size_hint(max_seq_len))
 
 
-def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len):
+def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, intervals=None):
     causal = bool(causal)
     if min(max_attn_len, contextual_seq_len, min_full_attn_seq_len) < 0:
         raise ValueError("hstu attention: max_attn_len, contextual_seq_len, min_full_attn_seq_len must be >= 0")
+    if intervals is not None:
+        if num_targets is not None or max_attn_len or contextual_seq_len or min_full_attn_seq_len:
+            raise ValueError("hstu attention: intervals replace the causal/targets/window/contextual mask; "
+                             "num_targets, max_attn_len, contextual_seq_len and min_full_attn_seq_len must then "
+                             "be unset/0")
+        # the interval mask alone decides (causal has no effect); CAUSAL=False keeps the id helpers trivial
+        return dict(CAUSAL=False, HAS_TGT=False, HAS_CTX=False, HAS_WINDOW=False, HAS_MINFULL=False, HAS_IV=True)
     if not causal and (num_targets is not None or max_attn_len or contextual_seq_len or min_full_attn_seq_len):
         raise ValueError("hstu attention: causal=False means full attention inside each sequence; num_targets, "
                          "max_attn_len, contextual_seq_len and min_full_attn_seq_len must then be unset/0")
@@ -1013,7 +1225,7 @@ def _prec(dtype) -> str:
 
 
 def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
-         min_full_attn_seq_len, causal, delta_rows, tma):
+         min_full_attn_seq_len, causal, delta_rows, tma, rab=None, intervals=None):
     _check_inputs(q, k, v, seq_offsets, num_targets)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
@@ -1023,14 +1235,16 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
         return out.zero_()
     use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
-    flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
+    flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, intervals)
     bdq, bdv = _block_d(Dq), _block_d(Dv)
     args = (q, k, v, out, seq_offsets, num_targets, scale_t,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), stride_s,
             float(alpha), float(scale_const), 1.0,
             H, Dq, Dv, k.shape[0], max_seq_len, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
-            _n_bucket(max_seq_len))
+            _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows)
+    if rab is not None:  # only then: without rab/intervals the launch (and the kernel) is today's
+        flags["HAS_RAB"] = True
     kwargs = dict(flags, SCALE_MODE=scale_mode, DELTA=delta_rows > 0, TMA=use_tma, SEQ_MAJOR=_seq_major(),
                   FAST=_fast_silu(q.dtype, q.device), PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv,
                   BLOCK_DQ=bdq, BLOCK_DV=bdv)
@@ -1044,10 +1258,11 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
 
 def hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targets=None, attn_scale=None,
                        max_attn_len: int = 0, contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0,
-                       causal: bool = True, *, tma=None) -> torch.Tensor:
-    """Jagged HSTU attention forward: ``[L, H, Dv]`` in the dtype of ``q``."""
+                       causal: bool = True, *, tma=None, rab=None, intervals=None) -> torch.Tensor:
+    """Jagged HSTU attention forward: ``[L, H, Dv]`` in the dtype of ``q``. ``rab: [B|1, H|1, N, N]`` is added
+    inside the silu; ``intervals: [H|1, L, 3]`` replaces the mask (docs/semantics.md)."""
     return _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
-                contextual_seq_len, min_full_attn_seq_len, causal, 0, tma)
+                contextual_seq_len, min_full_attn_seq_len, causal, 0, tma, rab, intervals)
 
 
 def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
@@ -1071,23 +1286,46 @@ def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num
 
 def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
                        max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True, *,
-                       deterministic=False, tma=None):
-    """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``)."""
+                       deterministic=False, tma=None, rab=None, intervals=None, rab_grad=False):
+    """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``), and ``d_rab`` (rab's
+    shape and dtype, summed over its broadcast dims) appended when ``rab_grad``."""
     _check_inputs(q, k, v, seq_offsets, num_targets)
     L, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
+    rab_grad = bool(rab_grad) and rab is not None
+    rab_args = _rab_args(rab, B, H, max_seq_len)
+    iv_args = _iv_args(intervals, H, L)
     dk = _new((L, H, Dq), k.dtype, k.device)
     dv = _new((L, H, Dv), v.dtype, v.device)
+    # d rab: the dK/dV kernel writes dS_pre of every visited (b, h, i, j) once into a zeroed [B, H, N, N]
+    # buffer in the inputs' dtype (the same rounded dS it feeds to dK; skipped tiles and padding stay 0);
+    # a scalar score scale and the sum over broadcast dims are applied here in fp32. No atomics:
+    # deterministic and free of contention (a [1, H, N, N] rab would otherwise get B-way conflicting adds).
+    drab = torch.zeros((B, H, max_seq_len, max_seq_len), device=q.device, dtype=q.dtype) if rab_grad else None
+
+    def _ret(dq, dk, dv, scale_mode=2, scale_const=1.0, scale_t=None):
+        if not rab_grad:
+            return dq, dk, dv
+        g = drab.to(torch.float32)
+        if scale_mode == 0:
+            g = g * scale_const
+        elif scale_mode == 1:
+            g = g * scale_t.to(torch.float32)
+        bcast = [d for d in (0, 1) if rab.shape[d] == 1 and drab.shape[d] != 1]
+        return dq, dk, dv, (g.sum(dim=bcast, keepdim=True) if bcast else g).to(rab.dtype)
+
     if L == 0 or B <= 0 or H == 0 or max_seq_len <= 0:
-        return torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_()
+        return _ret(torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_())
     if dout.shape != (L, H, Dv):
         raise ValueError(f"dout must be {(L, H, Dv)}, got {tuple(dout.shape)}")
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
-    flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
+    flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, intervals)
+    if rab is not None:  # only then: without rab/intervals the launches (and the kernels) are today's
+        flags["HAS_RAB"] = True
     # Algorithm: "split" = dK/dV kernel + separate dQ kernel (no atomics, bitwise repeatable);
     # "atomic" = one kernel, dQ through fp32 atomics. Split is the default: with the sequence-major
     # tile order it measured faster at N <= 1024 and tied at 2048 (H100, session 5; atomics won
@@ -1124,17 +1362,22 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     args = (q, k, v, dout, dq_acc, dk, dv, seq_offsets, num_targets, scale_t,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            sdq[0], sdq[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), stride_s) + tail
+            sdq[0], sdq[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), stride_s) + tail + rab_args \
+        + iv_args + ((drab,) + tuple(drab.stride()) if rab_grad else (None, 0, 0, 0, 0))
+    dkdv_kw = dict(common, DQ_MODE=dq_mode, TMA=tma_dkdv)
+    if rab_grad:
+        dkdv_kw["RAB_GRAD"] = True
     with _device_ctx(q.device):
         if use_tma:
             _ensure_allocator()
-        _launch("dkdv", max_seq_len, B * H, max(bdq, bdv), args, dict(common, DQ_MODE=dq_mode, TMA=tma_dkdv),
-                atomic_dq=not split, fp32=q.dtype == torch.float32)
+        _launch("dkdv", max_seq_len, B * H, max(bdq, bdv), args, dkdv_kw, atomic_dq=not split,
+                fp32=q.dtype == torch.float32)
         if split:
             args = (q, k, v, dout, dq, seq_offsets, num_targets, scale_t,
                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                     v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-                    dq.stride(0), dq.stride(1), stride_s, float(alpha), float(scale_const), 1.0) + tail[2:]
+                    dq.stride(0), dq.stride(1), stride_s, float(alpha), float(scale_const), 1.0) + tail[2:] \
+                + rab_args + iv_args
             _launch("dq", max_seq_len, B * H, max(bdq, bdv), args, common, fp32=q.dtype == torch.float32)
         else:
             dq = dq_acc if q.dtype == torch.float32 else _new((L, H, Dq), q.dtype, q.device)
@@ -1143,4 +1386,4 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
             fin_args = (dq_acc, dq, scale_t, numel, float(alpha) * (scale_const if scale_mode == 0 else 1.0))
             _launcher(_dq_finalize_kernel, fin_args)[(triton.cdiv(numel, block),)](
                 *fin_args, SCALE_MODE=1 if scale_mode == 1 else 0, BLOCK=block)
-    return dq, dk, dv
+    return _ret(dq, dk, dv, scale_mode, scale_const, scale_t)

@@ -1,10 +1,10 @@
 """Custom ops in the ``hstu`` namespace (``torch.ops.hstu.*``): schemas, fake impls, autograd.
 
-Importing this package registers: ``attention``, ``attention_bwd``, ``delta_attention``,
+Importing this package registers: ``attention``, ``attention_bwd``, ``attention_bwd_rab``, ``delta_attention``,
 ``stu_preprocess`` (+ ``_save``, ``_bwd``) and ``stu_output`` (+ ``_save``, ``_bwd``).
 """
-from .attention import attention, attention_bwd, delta_attention
+from .attention import attention, attention_bwd, attention_bwd_rab, delta_attention
 from .stu import stu_output, stu_output_save, stu_preprocess, stu_preprocess_save
 
-__all__ = ["attention", "attention_bwd", "delta_attention", "stu_output", "stu_output_save", "stu_preprocess",
+__all__ = ["attention", "attention_bwd", "attention_bwd_rab", "delta_attention", "stu_output", "stu_output_save", "stu_preprocess",
            "stu_preprocess_save"]

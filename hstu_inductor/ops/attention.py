@@ -1,4 +1,4 @@
-"""``hstu::attention`` / ``hstu::attention_bwd`` / ``hstu::delta_attention``.
+"""``hstu::attention`` / ``hstu::attention_bwd`` / ``hstu::attention_bwd_rab`` / ``hstu::delta_attention``.
 
 All three are ``torch.library.triton_op`` s. Their bodies pick the implementation by device:
 CUDA runs the Triton kernels of :mod:`hstu_inductor.kernels` (launched through ``wrap_triton``),
@@ -12,6 +12,11 @@ reference. Because they are triton_ops:
 
 The forward ops check the values of the jagged inputs in a way that survives compilation
 (:mod:`._checks`, ``config.check_inputs``); the backward op trusts the offsets its forward checked.
+
+``rab`` (dense relative attention bias ``[B|1, H|1, N, N]``) and ``intervals`` (``[H|1, L, 3]``, replacing
+the HSTU mask) are trailing optional arguments (docs/semantics.md). ``attention_bwd`` takes them too
+and still returns four tensors; ``attention_bwd_rab`` also returns ``d_rab`` and is what autograd calls
+when rab needs a gradient (a fifth output on ``attention_bwd`` would break its existing callers).
 """
 from __future__ import annotations
 
@@ -22,11 +27,12 @@ from torch import Tensor
 from torch.library import triton_op
 
 from .. import config
-from ..reference import delta_hstu_mha, hstu_mha, hstu_mha_backward, validate_attention_inputs
+from ..reference import (delta_hstu_mha, hstu_mha, hstu_mha_backward, validate_attention_inputs,
+                         validate_rab_intervals)
 from ._checks import check_jagged_values
 from ._kernels import cuda_kernels
 
-__all__ = ["attention", "attention_bwd", "delta_attention"]
+__all__ = ["attention", "attention_bwd", "attention_bwd_rab", "delta_attention"]
 
 
 def _tma():
@@ -41,56 +47,90 @@ def _kernels_for(t: Tensor):
 @triton_op("hstu::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int, alpha: float,
               num_targets: Optional[Tensor] = None, attn_scale: Optional[Tensor] = None, max_attn_len: int = 0,
-              contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0, causal: bool = True) -> Tensor:
+              contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0, causal: bool = True,
+              rab: Optional[Tensor] = None, intervals: Optional[Tensor] = None) -> Tensor:
     """Jagged HSTU attention forward, ``[L, H, Dv]`` (see ``reference.hstu_mha``)."""
     validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
                               contextual_seq_len, min_full_attn_seq_len, causal=causal, check_values=False)
+    validate_rab_intervals(q, seq_offsets, max_seq_len, rab, intervals, num_targets, max_attn_len,
+                           contextual_seq_len, min_full_attn_seq_len)
     check_jagged_values(seq_offsets, k.shape[0], max_seq_len, num_targets)
     kern = _kernels_for(q)
     if kern is not None:
+        extra = {} if rab is None and intervals is None else dict(rab=rab, intervals=intervals)
         return kern.hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
-                                       max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, tma=_tma())
+                                       max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, tma=_tma(),
+                                       **extra)
     return hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal=causal, dropout_pr=0.0, training=False,
                     num_targets=num_targets, attn_scale=attn_scale, max_attn_len=max_attn_len,
-                    contextual_seq_len=contextual_seq_len,
-                    min_full_attn_seq_len=min_full_attn_seq_len).contiguous()
+                    contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len,
+                    rab=rab, intervals=intervals).contiguous()
+
+
+def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
+         min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad):
+    """Body of both backward ops: ``(dq, dk, dv, d_attn_scale[, d_rab])``, empty ``d_attn_scale`` unless
+    requested (the kernels do not compute it, so that case runs the reference)."""
+    kern = None if need_scale_grad else _kernels_for(q)
+    if kern is not None:
+        extra = {} if rab is None and intervals is None else dict(rab=rab, intervals=intervals,
+                                                                   rab_grad=need_rab_grad)
+        got = kern.hstu_attention_bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
+                                      max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal,
+                                      deterministic=config.deterministic, tma=_tma(), **extra)
+        return (*got[:3], q.new_empty(0), *got[3:])
+    got = hstu_mha_backward(grad, max_seq_len, alpha, q, k, v, seq_offsets, causal, num_targets, attn_scale,
+                            max_attn_len, contextual_seq_len, min_full_attn_seq_len, need_scale_grad, rab=rab,
+                            intervals=intervals, need_rab_grad=need_rab_grad)
+    d_scale = got[3].contiguous() if need_scale_grad else q.new_empty(0)
+    return (got[0].contiguous(), got[1].contiguous(), got[2].contiguous(), d_scale,
+            *(g.contiguous() for g in got[4:]))
 
 
 @triton_op("hstu::attention_bwd", mutates_args=())
 def attention_bwd(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int,
                   alpha: float, num_targets: Optional[Tensor], attn_scale: Optional[Tensor], max_attn_len: int,
                   contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool,
-                  need_scale_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv, d_attn_scale)``; ``d_attn_scale`` is empty unless requested
-    (the kernels do not compute it, so that case runs the reference)."""
-    kern = None if need_scale_grad else _kernels_for(q)
-    if kern is not None:
-        dq, dk, dv = kern.hstu_attention_bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets,
-                                             attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len,
-                                             causal, deterministic=config.deterministic, tma=_tma())
-        return dq, dk, dv, q.new_empty(0)
-    dq, dk, dv, d_scale = hstu_mha_backward(grad, max_seq_len, alpha, q, k, v, seq_offsets, causal, num_targets,
-                                            attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len,
-                                            need_scale_grad)
-    return (dq.contiguous(), dk.contiguous(), dv.contiguous(),
-            d_scale.contiguous() if need_scale_grad else q.new_empty(0))
+                  need_scale_grad: bool, rab: Optional[Tensor] = None,
+                  intervals: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv, d_attn_scale)``; ``d_attn_scale`` is empty unless requested."""
+    return _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
+                contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, False)
+
+
+@triton_op("hstu::attention_bwd_rab", mutates_args=())
+def attention_bwd_rab(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int,
+                      alpha: float, num_targets: Optional[Tensor], attn_scale: Optional[Tensor], max_attn_len: int,
+                      contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool, need_scale_grad: bool,
+                      rab: Tensor, intervals: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`attention_bwd` plus ``d_rab`` (rab's shape and dtype, summed over its broadcast dims)."""
+    return _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
+                contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, True)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
-     min_full_attn_seq_len, causal) = inputs
-    ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_scale)
+     min_full_attn_seq_len, causal, rab, intervals) = inputs
+    ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals)
     ctx.args = (max_seq_len, alpha, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal)
     ctx.need_scale_grad = attn_scale is not None and ctx.needs_input_grad[7]
+    ctx.need_rab_grad = rab is not None and ctx.needs_input_grad[12]
 
 
 def _backward(ctx, grad):
-    q, k, v, seq_offsets, num_targets, attn_scale = ctx.saved_tensors
+    q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals = ctx.saved_tensors
     max_seq_len, alpha, w, c, f, causal = ctx.args
-    dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(
-        grad.contiguous(), q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, w, c, f, causal,
-        ctx.need_scale_grad)
-    return dq, dk, dv, None, None, None, None, (d_scale if ctx.need_scale_grad else None), None, None, None, None
+    args = (grad.contiguous(), q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, w, c, f, causal,
+            ctx.need_scale_grad)
+    d_rab = None
+    if ctx.need_rab_grad:
+        dq, dk, dv, d_scale, d_rab = torch.ops.hstu.attention_bwd_rab(*args, rab, intervals)
+    elif rab is None and intervals is None:  # the graph of models without rab/intervals is unchanged
+        dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args)
+    else:
+        dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args, rab, intervals)
+    return (dq, dk, dv, None, None, None, None, (d_scale if ctx.need_scale_grad else None), None, None, None, None,
+            d_rab, None)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

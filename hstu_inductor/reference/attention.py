@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from .jagged import (_is_concrete, gather_padded, jagged_to_padded, lengths_from_offsets, padded_rows, padded_to_jagged,
                      require, row_to_sequence, validate_jagged)
-from .mask import hstu_mask
+from .mask import hstu_mask, interval_mask
 
-__all__ = ["hstu_mha", "hstu_mha_backward", "delta_hstu_mha", "validate_attention_inputs"]
+__all__ = ["hstu_mha", "hstu_mha_backward", "delta_hstu_mha", "validate_attention_inputs", "validate_rab_intervals"]
 
 
 def validate_attention_inputs(
@@ -65,6 +65,48 @@ def validate_attention_inputs(
     validate_jagged(seq_offsets, k.shape[0], max_seq_len, num_targets, values=check_values)
 
 
+def validate_rab_intervals(
+    q: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    rab: torch.Tensor | None = None,
+    intervals: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+    min_full_attn_seq_len: int = 0,
+) -> None:
+    """Shapes/dtypes of a dense ``rab: [B|1, H|1, N, N]`` and ``intervals: [H|1, L, 3]`` (docs/semantics.md).
+    Intervals replace the causal/targets/window/contextual mask, so those must be unset."""
+    L, H = q.shape[0], q.shape[1]
+    B = seq_offsets.shape[0] - 1
+    if rab is not None:
+        require(rab.dim() == 4, lambda: f"rab must be [B|1, H|1, N, N], got shape {tuple(rab.shape)}")
+        require(rab.is_floating_point(), lambda: f"rab must be floating point, got {rab.dtype}")
+        require(rab.device == q.device, lambda: f"rab is on {rab.device}, q on {q.device}")
+        require((rab.shape[0] == 1 or rab.shape[0] == B) and (rab.shape[1] == 1 or rab.shape[1] == H)
+                and rab.shape[2] == max_seq_len and rab.shape[3] == max_seq_len,
+                lambda: f"rab must be [B|1, H|1, N, N] = [{B}|1, {H}|1, {max_seq_len}, {max_seq_len}], "
+                        f"got {tuple(rab.shape)}")
+    if intervals is not None:
+        require(intervals.dim() == 3 and intervals.shape[2] == 3
+                and (intervals.shape[0] == 1 or intervals.shape[0] == H) and intervals.shape[1] == L,
+                lambda: f"intervals must be [H|1, L, 3] = [{H}|1, {L}, 3], got {tuple(intervals.shape)}")
+        require(intervals.dtype in (torch.int32, torch.int64),
+                lambda: f"intervals must be int32 or int64, got {intervals.dtype}")
+        require(intervals.device == q.device, lambda: f"intervals is on {intervals.device}, q on {q.device}")
+        require(num_targets is None and max_attn_len == 0 and contextual_seq_len == 0 and min_full_attn_seq_len == 0,
+                lambda: "intervals replace the causal/targets/window/contextual mask: num_targets, max_attn_len, "
+                        "contextual_seq_len and min_full_attn_seq_len must then be unset/0")
+
+
+def _valid(seq_offsets, N, num_targets, w, c, f, causal, intervals):
+    """``[B, H|1, N, N]`` bool: the interval mask when given (it replaces the others), else the HSTU mask."""
+    if intervals is not None:
+        return interval_mask(intervals, seq_offsets, N)
+    return hstu_mask(lengths_from_offsets(seq_offsets), N, num_targets, w, c, f, causal).unsqueeze(1)
+
+
 def _row_scale(attn_scale, seq_offsets, max_seq_len, rows_padded_fn):
     """Per-query-row score scale ``s_i`` broadcastable to ``[B, H, Q, N]``."""
     if attn_scale is None:
@@ -91,11 +133,14 @@ def _mix_t(p, x):
     return (p.transpose(2, 3) @ x.transpose(1, 2)).transpose(1, 2)
 
 
-def _scores(qp, kp, alpha, scale, valid, dropout_pr, training):
-    """``valid * silu(alpha * q k^T) * s_i`` (+ dropout) for padded ``[B, Q|N, H, D]`` tensors."""
-    qk = _pairs(qp, kp)
-    p = F.silu(alpha * qk) * scale
-    p = p * valid.unsqueeze(1).to(p.dtype)
+def _scores(qp, kp, alpha, scale, valid, dropout_pr, training, rab=None):
+    """``valid * silu(alpha * q k^T + rab) * s_i`` (+ dropout) for padded ``[B, Q|N, H, D]`` tensors;
+    ``valid: [B, H|1, Q, N]``, ``rab: [B|1, H|1, Q, N]`` or None."""
+    a = alpha * _pairs(qp, kp)
+    if rab is not None:
+        a = a + rab.to(a.dtype)
+    p = F.silu(a) * scale
+    p = p * valid.to(p.dtype)
     if dropout_pr > 0.0 and training:
         p = F.dropout(p, p=dropout_pr, training=True)
     return p
@@ -116,25 +161,29 @@ def hstu_mha(
     max_attn_len: int = 0,
     contextual_seq_len: int = 0,
     min_full_attn_seq_len: int = 0,
+    rab: torch.Tensor | None = None,
+    intervals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention: ``q, k: [L, H, Dq]``, ``v: [L, H, Dv]`` -> ``[L, H, Dv]``.
 
-    ``out_i = sum_j valid(i, j) * silu(alpha <q_i, k_j>) * s_i * v_j`` per head, with ``s_i = 1/N``
-    or ``attn_scale`` (scalar or per-row ``[L]``). No softmax.
+    ``out_i = sum_j valid(i, j) * silu(alpha <q_i, k_j> + rab(i, j)) * s_i * v_j`` per head, with
+    ``s_i = 1/N`` or ``attn_scale`` (scalar or per-row ``[L]``). No softmax. ``rab``: dense
+    ``[B|1, H|1, N, N]`` on padded positions (its gradient is summed over broadcast dims by autograd);
+    ``intervals: [H|1, L, 3]`` replaces ``valid`` (:func:`~.mask.interval_mask`). docs/semantics.md.
     """
     validate_attention_inputs(
         q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale,
         max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal=causal,
     )
+    validate_rab_intervals(q, seq_offsets, max_seq_len, rab, intervals, num_targets, max_attn_len,
+                           contextual_seq_len, min_full_attn_seq_len)
     N, L = max_seq_len, q.shape[0]
     rows = padded_rows(seq_offsets, N, L)
     pad = lambda t: gather_padded(t, rows)  # noqa: E731
-    valid = hstu_mask(
-        lengths_from_offsets(seq_offsets), N, num_targets, max_attn_len,
-        contextual_seq_len, min_full_attn_seq_len, causal,
-    )
+    valid = _valid(seq_offsets, N, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal,
+                   intervals)
     scale = _row_scale(attn_scale, seq_offsets, N, pad)
-    p = _scores(pad(q), pad(k), alpha, scale, valid, dropout_pr, training)
+    p = _scores(pad(q), pad(k), alpha, scale, valid, dropout_pr, training, rab)
     out = _mix(p, pad(v))
     return padded_to_jagged(out, seq_offsets, L)
 
@@ -154,26 +203,30 @@ def hstu_mha_backward(
     contextual_seq_len: int = 0,
     min_full_attn_seq_len: int = 0,
     need_scale_grad: bool = False,
+    rab: torch.Tensor | None = None,
+    intervals: torch.Tensor | None = None,
+    need_rab_grad: bool = False,
 ):
-    """Closed-form gradients of :func:`hstu_mha` (no dropout): ``(dq, dk, dv, d_attn_scale)``.
+    """Closed-form gradients of :func:`hstu_mha` (no dropout): ``(dq, dk, dv, d_attn_scale)``, and
+    ``d_rab`` appended when ``need_rab_grad``.
 
-    With ``A = alpha * q k^T`` and ``P = valid * silu(A) * s``: ``dv = P^T g``, ``dP = g v^T``,
-    ``dA = dP * valid * s * silu'(A)``, ``dq = alpha dA k``, ``dk = alpha dA^T q`` and
-    ``ds_i = sum_{h,j} dP * valid * silu(A)`` (summed over all rows for a scalar ``s``).
-    ``d_attn_scale`` is None unless ``need_scale_grad``.
+    With ``A = alpha * q k^T + rab`` and ``P = valid * silu(A) * s``: ``dv = P^T g``, ``dP = g v^T``,
+    ``dA = dP * valid * s * silu'(A)``, ``dq = alpha dA k``, ``dk = alpha dA^T q``,
+    ``d_rab = dA`` summed over rab's broadcast dims, and ``ds_i = sum_{h,j} dP * valid * silu(A)``
+    (summed over all rows for a scalar ``s``). ``d_attn_scale`` is None unless ``need_scale_grad``.
     """
     N, L = max_seq_len, q.shape[0]
     rows = padded_rows(seq_offsets, N, L)
     seq, pos = row_to_sequence(seq_offsets, L)
     pad = lambda t: gather_padded(t, rows)  # noqa: E731
     unpad = lambda t: t[seq, pos]  # noqa: E731  (padded_to_jagged, sharing the row map)
-    valid = hstu_mask(
-        lengths_from_offsets(seq_offsets), N, num_targets, max_attn_len,
-        contextual_seq_len, min_full_attn_seq_len, causal,
-    ).unsqueeze(1).to(q.dtype)  # [B, 1, N, N]
+    valid = _valid(seq_offsets, N, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal,
+                   intervals).to(q.dtype)  # [B, H|1, N, N]
     scale = _row_scale(attn_scale, seq_offsets, N, pad)
     qp, kp, vp, gp = pad(q), pad(k), pad(v), pad(grad)
     a = alpha * _pairs(qp, kp)
+    if rab is not None:
+        a = a + rab.to(a.dtype)
     sig = torch.sigmoid(a)
     silu = a * sig
     p = silu * scale * valid
@@ -186,6 +239,10 @@ def hstu_mha_backward(
     if need_scale_grad:
         per_row = (dp * silu).sum(dim=(1, 3))  # [B, N]
         d_scale = per_row.sum().reshape(attn_scale.shape) if attn_scale.numel() == 1 else unpad(per_row)
+    if need_rab_grad:
+        bcast = [d for d in (0, 1) if rab.shape[d] == 1]
+        d_rab = (da.sum(dim=bcast, keepdim=True) if bcast else da).to(rab.dtype)  # sum(dim=[]) sums all
+        return unpad(dq), unpad(dk), unpad(dv), d_scale, d_rab
     return unpad(dq), unpad(dk), unpad(dv), d_scale
 
 
@@ -219,7 +276,7 @@ def delta_hstu_mha(
     if _is_concrete(lengths) and lengths.numel():
         require(bool((lengths >= D).all()), lambda: f"every sequence needs at least D={D} rows")
     qpos = lengths.unsqueeze(1) - D + torch.arange(D, device=lengths.device, dtype=lengths.dtype)  # [B, D]
-    valid = hstu_mask(lengths, N, num_targets, max_attn_len, contextual_seq_len, 0, True, qpos)
+    valid = hstu_mask(lengths, N, num_targets, max_attn_len, contextual_seq_len, 0, True, qpos).unsqueeze(1)
     qd = delta_q.reshape(B, D, *delta_q.shape[1:])
     rows = lambda t: t.reshape(B, D)  # noqa: E731
     scale = _row_scale(attn_scale, seq_offsets, N, rows)

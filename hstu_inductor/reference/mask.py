@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["position_ids", "hstu_mask"]
+from .jagged import gather_padded, lengths_from_offsets, padded_rows, row_to_sequence
+
+__all__ = ["position_ids", "hstu_mask", "interval_mask", "sla_intervals"]
 
 
 def position_ids(
@@ -73,3 +75,53 @@ def hstu_mask(
     if c > 0:
         valid = valid | ((pi_i == 0) & (pi_j < end))
     return valid & in_seq
+
+
+def interval_mask(intervals: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """Boolean ``valid`` of shape ``[B, H|1, N, N]`` from an interval tensor ``[H|1, L, 3]``.
+
+    Jagged row ``r`` (position ``i`` of sequence ``b``) of head ``h`` sees the key columns
+    ``{j : 0 <= j < x0} | {j : x1 <= j < x2}`` of its own sequence, ``(x0, x1, x2) = intervals[h, r]``,
+    intersected with ``j < n_b``. The set formula is used as written, so any ints are well defined
+    (``x0 <= x1 <= x2`` is the documented form). It replaces the causal/targets/window mask.
+    """
+    N = max_seq_len
+    rows = padded_rows(seq_offsets, N, intervals.shape[1])  # [B, N]; padding rows read (0, 0, 0)
+    x = gather_padded(intervals.transpose(0, 1).to(torch.int64), rows)  # [B, N, H|1, 3]
+    x = x.permute(0, 2, 1, 3).unsqueeze(-2)  # [B, H|1, N, 1, 3]
+    j = torch.arange(N, device=intervals.device, dtype=torch.int64)
+    n = lengths_from_offsets(seq_offsets).to(torch.int64).view(-1, 1, 1, 1)
+    vis = (j < x[..., 0]) | ((j >= x[..., 1]) & (j < x[..., 2]))
+    return vis & (j < n)  # padding query rows already see nothing
+
+
+def sla_intervals(
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    k1: int,
+    k2: int,
+    contextual_seq_len: int = 0,
+) -> torch.Tensor:
+    """Semi-local attention (TorchEasyRec) as an interval tensor ``[1, L, 3]`` (int64, every head).
+
+    With ``K2 = max(k2, contextual_seq_len)``, a history row at position ``p < n_b - t_b`` sees
+    ``[0, min(K2, p+1)) | [max(K2, p-k1+1), p+1)``; a target row sees ``[0, n_b - t_b)``. ``x1`` is
+    clamped to ``x2`` so every row satisfies ``x0 <= x1 <= x2`` (same column set).
+    """
+    if k1 < 0 or k2 < 0 or contextual_seq_len < 0:
+        raise ValueError(f"sla_intervals: k1, k2, contextual_seq_len must be >= 0, got {k1}, {k2}, "
+                         f"{contextual_seq_len}")
+    L = int(seq_offsets[-1]) if seq_offsets.numel() else 0
+    seq, p = row_to_sequence(seq_offsets, L)
+    p = p.to(torch.int64)
+    n = lengths_from_offsets(seq_offsets).to(torch.int64)[seq]
+    hist = n if num_targets is None else n - num_targets.to(torch.int64)[seq]
+    K2 = max(k2, contextual_seq_len)
+    x0 = torch.clamp(p + 1, max=K2)
+    x2 = p + 1
+    x1 = torch.minimum(torch.clamp(p - k1 + 1, min=K2), x2)
+    is_tgt = p >= hist
+    x0 = torch.where(is_tgt, hist, x0)
+    x1 = torch.where(is_tgt, hist, x1)
+    x2 = torch.where(is_tgt, hist, x2)
+    return torch.stack([x0, x1, x2], dim=-1).unsqueeze(0)

@@ -1,0 +1,154 @@
+"""Compile the attention kernels for sm90 on a GPU-less machine and diff their PTX against a git revision.
+
+    .venv/bin/python scripts/ptx_unchanged.py [REV]      (REV defaults to HEAD; compares the working tree)
+
+Used to show that a new constexpr feature (rab, intervals) leaves the kernels compiled without it
+unchanged: the PTX bodies must be identical, only the appended (unused) parameters may differ.
+Triton ships ptxas, so ``triton.compile`` with ``GPUTarget("cuda", 90, 128)`` runs without a driver.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+PATH = "hstu_inductor/kernels/attention.py"
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(f"hstu_inductor.kernels.{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _signature(fn, values):
+    """Triton signature + constexprs from example values: tensors as (dtype str,), ints, floats, None."""
+    sig, consts = {}, {}
+    for name in fn.arg_names:
+        if name not in values:
+            continue
+        val = values[name]
+        if isinstance(val, tuple):  # pointer
+            sig[name] = "*" + val[0]
+        elif name.isupper() and not isinstance(val, tuple) and name in CONSTEXPR or val is None:
+            sig[name] = "constexpr"
+            consts[name] = val
+        elif isinstance(val, bool):
+            sig[name] = "constexpr"
+            consts[name] = val
+        elif isinstance(val, int):
+            sig[name] = "i32"
+        elif isinstance(val, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "constexpr"
+            consts[name] = val
+    return sig, consts
+
+
+CONSTEXPR = {"CAUSAL", "HAS_TGT", "HAS_CTX", "HAS_WINDOW", "HAS_MINFULL", "SCALE_MODE", "DELTA", "TMA", "FAST",
+             "PREC", "EVEN_DQ", "EVEN_DV", "BLOCK_DQ", "BLOCK_DV", "BLOCK_M", "BLOCK_N", "SEQ_MAJOR", "Q_IN_REGS",
+             "DQ_MODE", "HAS_RAB", "RAB_GRAD", "HAS_IV"}
+
+
+def _values(kind, tma, dq_mode=0):
+    ptr = ("bf16",)
+    v = {n: 16 for n in ("stride_qm", "stride_qh", "stride_km", "stride_kh", "stride_vm", "stride_vh", "stride_om",
+                         "stride_oh", "stride_dom", "stride_doh", "stride_dqm", "stride_dqh", "stride_dkm",
+                         "stride_dkh", "stride_dvm", "stride_dvh", "stride_sm")}
+    v.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod")})
+    v.update(H=4, DQ=128, DV=128, ROWS=1000, MAX_N=1024, DELTA_ROWS=0, CTX=0, WINDOW=0, MINFULL=0, N_BUCKET=1024,
+             alpha=0.1, scale_const=0.001, one=1.0, SEQ_OFFSETS=("i64",), NUM_TARGETS=("i64",), ATTN_SCALE=None,
+             Q=ptr, K=ptr, V=ptr, O=ptr, DO=ptr, DK=ptr, DVo=ptr, DQo=ptr, DQA=("fp32",) if dq_mode else None,
+             CAUSAL=True, HAS_TGT=True, HAS_CTX=False, HAS_WINDOW=False, HAS_MINFULL=False, SCALE_MODE=0,
+             DELTA=False, TMA=tma, FAST=1, PREC="tf32", EVEN_DQ=True, EVEN_DV=True, BLOCK_DQ=128, BLOCK_DV=128,
+             SEQ_MAJOR=True, DQ_MODE=dq_mode,
+             # the new arguments as the host passes them without rab/intervals
+             RAB=None, IV=None, DRAB=None)
+    v.update({n: 0 for n in ("stride_rb", "stride_rh", "stride_ri", "stride_rj", "stride_ih", "stride_ir",
+                             "stride_ic", "stride_gb", "stride_gh", "stride_gi", "stride_gj")})
+    blocks = {"fwd": (128, 64, 8, 2), "dkdv": (64, 128, 8, 3), "dq": (128, 64, 8, 3)}[kind]
+    v.update(BLOCK_M=blocks[0], BLOCK_N=blocks[1])
+    if kind != "dkdv":
+        v["Q_IN_REGS"] = False
+    return v, blocks[2], blocks[3]
+
+
+def _ptx(mod, kind, tma, dq_mode=0):
+    fn = {"fwd": mod._hstu_fwd_kernel, "dkdv": mod._hstu_bwd_dkdv_kernel, "dq": mod._hstu_bwd_dq_kernel}[kind]
+    values, warps, stages = _values(kind, tma, dq_mode)
+    sig, consts = _signature(fn, values)
+    src = ASTSource(fn, sig, consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": warps, "num_stages": stages})
+    return k.asm["ptx"]
+
+
+def _body(ptx):
+    """Normalised PTX body: see :func:`_code`; the last two parameters (Triton's global and profile scratch
+    pointers; TMA descriptors live in the global one) are renamed: the appended parameters shift them."""
+    last = max(int(i) for i in re.findall(r"_param_(\d+)", ptx))
+    out = []
+    for line in _code(ptx):
+        line = re.sub(rf"_param_{last}\b", "_param_SCRATCH1", line)
+        out.append(re.sub(rf"_param_{last - 1}\b", "_param_SCRATCH0", line))
+    return out
+
+
+def _code(ptx):
+    """PTX code without the parameter list (the new kernels append unused parameters) and without debug
+    line info (the source moved; ``$L__tmp`` labels exist only for the debug info)."""
+    out = []
+    in_params = False
+    for line in ptx.splitlines():
+        s = line.strip()
+        if s.startswith(".param") or re.match(r"^\.visible \.entry", s):
+            in_params = True
+            continue
+        if in_params and s.startswith(")"):
+            in_params = False
+            continue
+        if s.startswith(".section") or s.startswith(".debug"):
+            break  # debug sections (source file names and line numbers) end the code
+        if in_params or s.startswith(("//", ".loc", ".file")) or re.fullmatch(r"\$L__tmp\d+:", s):
+            continue
+        out.append(line.split("//")[0].rstrip())
+    return out
+
+
+def main():
+    rev = sys.argv[1] if len(sys.argv) > 1 else "HEAD"
+    old_src = subprocess.check_output(["git", "-C", ROOT, "show", f"{rev}:{PATH}"], text=True)
+    tmp = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+    tmp.write(old_src)
+    tmp.close()
+    old = _load(tmp.name, "_attention_old")
+    new = _load(os.path.join(ROOT, PATH), "_attention_new")
+    ok = True
+    for kind, tma, dq_mode in (("fwd", False, 0), ("fwd", True, 0), ("dq", False, 0), ("dq", True, 0),
+                               ("dkdv", False, 0), ("dkdv", True, 0), ("dkdv", False, 1)):
+        a, b = _body(_ptx(old, kind, tma, dq_mode)), _body(_ptx(new, kind, tma, dq_mode))
+        same = a == b
+        ok &= same
+        print(f"{kind:5s} tma={tma!s:5s} dq_mode={dq_mode}: {'identical' if same else 'DIFFERENT'} "
+              f"({len(b)} PTX lines)")
+        if not same:
+            sys.stdout.writelines(list(difflib.unified_diff(a, b, lineterm="\n", n=1))[:40])
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

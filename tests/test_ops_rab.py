@@ -1,0 +1,164 @@
+"""``hstu::attention`` with ``rab`` / ``intervals``: opcheck, equality with the reference, gradients
+(``grad_rab`` summed over broadcast dims), input errors. CPU: the ops run the eager reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hstu_inductor  # noqa: F401  (registers torch.ops.hstu.*)
+from _helpers import random_jagged, rel_err
+from hstu_inductor import reference as ref
+
+ops = torch.ops.hstu
+LENGTHS = [3, 0, 5, 1]
+N, H = 6, 2
+RAB_SHAPES = {"BH": (4, H), "1H": (1, H), "B1": (4, 1), "11": (1, 1)}
+
+
+def _intervals(heads=H, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, N + 2, (heads, sum(LENGTHS), 3), generator=g).sort(dim=-1).values
+
+
+def _args(shape="1H", intervals=False, seed=0, grad=True, mask=True):
+    q, k, v, off = random_jagged(LENGTHS, H, 3, 4, seed=seed, requires_grad=grad)
+    g = torch.Generator().manual_seed(seed + 1)
+    rab = None if shape is None else torch.randn(*RAB_SHAPES[shape], N, N, generator=g, dtype=torch.float64,
+                                                 requires_grad=grad)
+    iv = _intervals(seed=seed) if intervals else None
+    nt = torch.tensor([1, 0, 2, 0]) if mask and not intervals else None
+    w = 2 if mask and not intervals else 0
+    return (q, k, v, off, N, 0.7, nt, None, w, 0, 0, True, rab, iv)
+
+
+CASES = {"rab_BH": ("BH", False), "rab_11_intervals": ("11", True), "intervals_only": (None, True),
+         "rab_B1": ("B1", False)}
+
+
+# opcheck's aot_dispatch_dynamic test costs ~5 s per case on 2 cores: every case runs it under
+# ``slow``; CI runs the schema/autograd-registration/fake-tensor checks of all and one full opcheck.
+_FAST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_opcheck_attention_rab_fast(name):
+    torch.library.opcheck(ops.attention, _args(*CASES[name]), test_utils=_FAST_UTILS)
+
+
+def test_opcheck_attention_rab_full():
+    torch.library.opcheck(ops.attention, _args(*CASES["rab_11_intervals"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_opcheck_attention_rab_all(name):
+    torch.library.opcheck(ops.attention, _args(*CASES[name]))
+
+
+def _bwd_args(need_scale_grad):
+    args = list(_args("1H", True, grad=False))
+    args[7] = torch.rand(sum(LENGTHS), dtype=torch.float64) + 0.2
+    grad = torch.randn(sum(LENGTHS), H, 4, dtype=torch.float64)
+    return (grad, *args[:12], need_scale_grad, args[12], args[13])
+
+
+@pytest.mark.parametrize("op", ["attention_bwd_rab", "attention_bwd"])
+def test_opcheck_attention_bwd_rab_fast(op):
+    torch.library.opcheck(getattr(ops, op), _bwd_args(True), test_utils=_FAST_UTILS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("need_scale_grad", [False, True])
+def test_opcheck_attention_bwd_rab(need_scale_grad):
+    torch.library.opcheck(ops.attention_bwd_rab, _bwd_args(need_scale_grad))
+    torch.library.opcheck(ops.attention_bwd, _bwd_args(need_scale_grad))
+
+
+@pytest.mark.parametrize("shape", list(RAB_SHAPES))
+def test_attention_op_rab_equals_reference(shape):
+    for intervals in (False, True):
+        args = _args(shape, intervals, seed=3)
+        q, k, v, off, Nn, alpha, nt, scale, w, c, f, causal, rab, iv = args
+        out = ops.attention(*args)
+        want = ref.hstu_mha(Nn, alpha, q, k, v, off, num_targets=nt, max_attn_len=w, rab=rab, intervals=iv)
+        assert rel_err(out, want) < 1e-12
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, [q, k, v, rab], g)
+        exp = torch.autograd.grad(want, [q, k, v, rab], g)
+        assert got[3].shape == rab.shape
+        for a, b in zip(got, exp):
+            assert rel_err(a, b) < 1e-12
+
+
+def test_attention_op_rab_gradcheck():
+    args = list(_args("B1", True, seed=4))
+
+    def fn(q_, k_, v_, r_):
+        a = list(args)
+        a[0], a[1], a[2], a[12] = q_, k_, v_, r_
+        return ops.attention(*a)
+
+    assert torch.autograd.gradcheck(fn, (args[0], args[1], args[2], args[12]), eps=1e-6, atol=1e-7)
+
+
+def test_rab_grad_only_when_requested():
+    args = list(_args("BH", seed=6))
+    args[12] = args[12].detach()
+    ops.attention(*args).sum().backward()
+    assert args[12].grad is None and args[0].grad is not None
+
+
+def test_old_positional_call_unchanged():
+    """Existing callers (12 positional args, attention_bwd's 14) keep working."""
+    q, k, v, off = random_jagged(LENGTHS, H, 3, 4, seed=8)
+    out = ops.attention(q, k, v, off, N, 0.5, None, None, 0, 0, 0, True)
+    dq, dk, dv, ds = ops.attention_bwd(torch.ones_like(out), q, k, v, off, N, 0.5, None, None, 0, 0, 0, True, False)
+    assert dq.shape == q.shape and ds.numel() == 0
+
+
+def test_rab_interval_input_errors():
+    q, k, v, off, Nn, alpha, nt, scale, w, c, f, causal, rab, iv = _args("BH", grad=False)
+    bad = [
+        (dict(rab=torch.zeros(4, 2, N, N + 1, dtype=torch.float64)), "rab must be"),
+        (dict(rab=torch.zeros(2, 2, N, N, dtype=torch.float64)), "rab must be"),
+        (dict(rab=torch.zeros(4, 3, N, N, dtype=torch.float64)), "rab must be"),
+        (dict(rab=torch.zeros(4, 2, N, N, dtype=torch.int32)), "floating point"),
+        (dict(intervals=torch.zeros(1, q.shape[0], 2, dtype=torch.int64)), "intervals must be"),
+        (dict(intervals=torch.zeros(1, q.shape[0] + 1, 3, dtype=torch.int64)), "intervals must be"),
+        (dict(intervals=torch.zeros(1, q.shape[0], 3)), "int32 or int64"),
+        (dict(intervals=torch.zeros(1, q.shape[0], 3, dtype=torch.int32), num_targets=torch.tensor([0, 0, 1, 0])),
+         "replace"),
+    ]
+    for kw, msg in bad:
+        a = dict(num_targets=None, rab=None, intervals=None)
+        a.update(kw)
+        with pytest.raises(RuntimeError, match=msg):
+            ops.attention(q, k, v, off, Nn, alpha, a["num_targets"], None, 0, 0, 0, True, a["rab"], a["intervals"])
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the op's kernel branch, eager and under torch.compile (Inductor embeds the kernels)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gpu_op_rab_intervals(compiled):
+    torch.manual_seed(0)
+    lengths, n, heads, d = [300, 1, 256, 97], 300, 2, 64
+    q, k, v, off = (t.cuda() for t in random_jagged(lengths, heads, d, d, dtype=torch.float64, seed=9))
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    rab = torch.randn(1, heads, n, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    iv = ref.sla_intervals(off.cpu(), torch.tensor([3, 0, 5, 1]), k1=64, k2=16, contextual_seq_len=4).cuda()
+
+    def fn(q_, k_, v_, r_):
+        return ops.attention(q_, k_, v_, off, n, 1.0 / d, None, None, 0, 0, 0, True, r_, iv)
+
+    f = torch.compile(fn, fullgraph=True) if compiled else fn
+    out = f(q, k, v, rab)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [q, k, v, rab], g)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, rab)]
+    want_out = ref.hstu_mha(n, 1.0 / d, *leaves[:3], off, rab=leaves[3], intervals=iv)
+    want = torch.autograd.grad(want_out, leaves, g.double())
+    assert rel_err(out, want_out) < 2e-2
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16 and rel_err(a, b) < 2e-2
