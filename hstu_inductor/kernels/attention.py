@@ -990,9 +990,15 @@ def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool):
 _TUNERS: dict = {}  # for benchmark reports: name -> triton Autotuner
 
 
+_OPTIONAL_FLAGS = {"fwd": ("HAS_RAB", "HAS_IV"), "dq": ("HAS_RAB", "HAS_IV"), "dkdv": ("HAS_RAB", "RAB_GRAD", "HAS_IV")}
+
+
 def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, kwargs: dict,
             atomic_dq: bool = False, fp32: bool = False):
     """Launch kernel ``kind`` over grid_x * cdiv(grid_rows, BLOCK_{M|N}) programs (see :func:`_tile`)."""
+    # every constexpr passed, the defaulted rab/interval switches too: torch's wrap_triton (Inductor's
+    # user-defined-kernel path) maps arguments by position and breaks on a defaulted one left out
+    kwargs = {**{k: False for k in _OPTIONAL_FLAGS[kind]}, **kwargs}
     row_block = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
     forced = _FORCED_CONFIGS.get(kind)
     if forced is not None:
