@@ -69,7 +69,7 @@ class UnseenSTU(torch.nn.Module):
         pad = pad_index_copy if self.spelling == "index_copy" else pad_embedding
         (qp, rows), (kp, _), (vp, _) = (pad(t.reshape(L, H, D), offsets, N) for t in (q, k, v))
         s = torch.matmul(qp.transpose(1, 2), kp.permute(0, 2, 3, 1))
-        p = F.silu(s / D ** 0.5) * torch.tril(torch.ones(N, N, device=x.device)) / N
+        p = F.silu(s / D ** 0.5) * torch.tril(torch.ones(N, N, device=x.device, dtype=x.dtype)) / N
         o = torch.matmul(p, vp.transpose(1, 2)).transpose(1, 2).reshape(B * N, H * D)
         if self.spelling == "index_copy":
             a = o.gather(0, rows[:, None].expand(-1, H * D))
