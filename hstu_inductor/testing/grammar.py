@@ -42,10 +42,13 @@ if HAS_FBGEMM:
         HAS_FBGEMM = False
 
 # ------------------------------------------------------------------------------------------------
-# The families and their values. A value not available here (fbgemm) is never drawn.
+# The families and their values. The lists do not depend on what is installed, so a seed draws the
+# same choices everywhere; without fbgemm its two values are replaced by aten's equivalents after
+# the draw (``FBGEMM_FALLBACK``).
 
 PADS = ["index_put", "index_copy", "scatter", "gather_mul", "embedding", "take_where", "onehot_mm",
-        "masked_scatter", "aten_j2p", "nested"] + (["fbgemm_j2p"] if HAS_FBGEMM else [])
+        "masked_scatter", "aten_j2p", "nested", "fbgemm_j2p"]
+FBGEMM_FALLBACK = {"fbgemm_j2p": "aten_j2p", "fbgemm_d2j": "aten_p2j"}
 FAMILIES = {
     "form": ["attention", "uvqk", "stu", "stack2"],
     "dtype": ["fp32", "bf16"],
@@ -66,7 +69,7 @@ FAMILIES = {
     "causal": ["yes", "no"],
     "scale": ["div_n", "mul_inv_n", "alpha_in_q", "pv_div_n", "scalar", "row", "row_after_pv"],
     "activation": ["silu", "x_sigmoid", "nn_silu"],
-    "unpad": ["index", "index_select", "gather", "aten_p2j"] + (["fbgemm_d2j"] if HAS_FBGEMM else []),
+    "unpad": ["index", "index_select", "gather", "aten_p2j", "fbgemm_d2j"],
     "mutation": ["none", "off_by_one", "anti_causal", "softmax", "bias_in_silu", "data_mask",
                  "nonconst_scale", "extra_user"],
 }
@@ -219,6 +222,8 @@ def sample(seed: int) -> Sample:
         c["scale"] = "div_n"  # replaced by the non-constant one
         c["nonconst"] = _pick(rng, ["max", "per_seq"])
     fractions = {"w": _pick(rng, [2, 4, 8, 16]), "f": _pick(rng, [4, 8]), "c": _pick(rng, [1, 2, 3])}
+    if not HAS_FBGEMM:
+        c = {k: FBGEMM_FALLBACK.get(v, v) for k, v in c.items()}
     return Sample(seed, c, _pick(rng, ALPHAS), fractions)
 
 
