@@ -29,8 +29,7 @@ import traceback
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import hstu_inductor  # noqa: F401  (registers the hstu ops and the backends)
-from .. import _compat
+from .. import _compat, backend  # noqa: F401  (backend: the hstu ops and the hstu_eager backend)
 from ..patterns import run_rewriters
 from ..report import collecting
 from .grammar import Sample, reference_output, sample
