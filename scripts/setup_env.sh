@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create ./.venv with everything hstu-inductor needs on a fresh machine (CPU, no GPU).
-# Usage: scripts/setup_env.sh [--test]   (--test adds pytest, pytest-xdist, expecttest, hypothesis, fbgemm)
+# Usage: scripts/setup_env.sh [--test]   (--test adds pytest, pytest-xdist, expecttest, hypothesis, tqdm, fbgemm)
 # Every `make test` runs this: on a ready .venv it is one Python probe (a few seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ try:
 except ImportError:
     out.append("torch")
 out += [m for m in ("triton", "numpy") if u.find_spec(m) is None]
-if any(u.find_spec(m) is None for m in ("pytest", "xdist", "expecttest", "hypothesis")):
+if any(u.find_spec(m) is None for m in ("pytest", "xdist", "expecttest", "hypothesis", "tqdm")):
     out.append("tools")
 try:
     import fbgemm_gpu  # noqa: F401
@@ -50,7 +50,7 @@ want=()
 needs torch && want+=(torch==2.13.0)
 needs triton && want+=(triton==3.6.0)
 { needs numpy || [ ${#want[@]} -gt 0 ]; } && want+=("numpy<2.3")
-[ $want_test = 1 ] && needs tools && want+=(pytest pytest-xdist expecttest hypothesis)
+[ $want_test = 1 ] && needs tools && want+=(pytest pytest-xdist expecttest hypothesis tqdm)
 if [ ${#want[@]} -gt 0 ]; then
   echo "[setup] installing ${want[*]}"
   pip install -q --no-compile "${want[@]}" 2>&1 | quiet

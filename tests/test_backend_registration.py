@@ -233,7 +233,7 @@ def test_pattern_pass_uuid_is_stable_and_config_sensitive():
 # backend="hstu_eager": the same rewrites, run op by op (no Inductor).
 # ------------------------------------------------------------------------------------------------
 def _spelling_with_grads():
-    from hstu_inductor.patterns import spellings_attention as sp
+    from hstu_inductor.testing import spellings_attention as sp
 
     g = torch.Generator().manual_seed(5)
     lengths = [3, 0, sp.N, 1]

@@ -14,7 +14,7 @@ import torch
 from torch.export import Dim
 
 import hstu_inductor.export as hx
-from hstu_inductor.patterns import spellings_attention as sp
+from hstu_inductor.testing import spellings_attention as sp
 from hstu_inductor.reference import HSTUModel
 
 from _helpers import rel_err

@@ -133,7 +133,7 @@ def test_fbgemm_truncation_is_not_kept(fresh_dynamo):
     """fbgemm's pads truncate a sequence longer than N (its rows past N come out 0); the rewrite does
     not reproduce that: the rewritten graph raises (docs/inputs.md)."""
     pytest.importorskip("fbgemm_gpu")
-    from hstu_inductor.patterns import spellings_attention as sp
+    from hstu_inductor.testing import spellings_attention as sp
 
     lengths = [3, sp.N + 2, 1]
     off = offsets_from_lengths(lengths)

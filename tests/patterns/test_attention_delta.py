@@ -8,7 +8,7 @@ from torch.export import Dim
 
 import hstu_inductor
 import hstu_inductor.export as hx
-from hstu_inductor.patterns import spellings_attention as sp
+from hstu_inductor.testing import spellings_attention as sp
 from hstu_inductor.reference import hstu_mha
 
 from test_attention_helpers import rewritten_graph, summarize

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hstu_inductor.patterns import spellings_attention as sp
+from hstu_inductor.testing import spellings_attention as sp
 from hstu_inductor.report import collecting
 
 from test_attention_helpers import grad_leaves, spelling_inputs

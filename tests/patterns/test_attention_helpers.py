@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from hstu_inductor.patterns import rewrite_dynamo_graph
-from hstu_inductor.patterns import spellings_attention as sp
+from hstu_inductor.testing import spellings_attention as sp
 from hstu_inductor.report import collecting
 
 H, D = 2, 4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hstu_inductor
-from hstu_inductor.patterns import spellings_attention as sp
+from hstu_inductor.testing import spellings_attention as sp
 from hstu_inductor.report import collecting
 
 from test_attention_helpers import make_inputs

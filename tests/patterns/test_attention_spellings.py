@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hstu_inductor
-from hstu_inductor.patterns import spellings_attention as sp
+from hstu_inductor.testing import spellings_attention as sp
 from hstu_inductor.report import collecting
 
 from test_attention_helpers import grad_leaves, rewritten_graph, spelling_inputs, summarize

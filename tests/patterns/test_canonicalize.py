@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hstu_inductor
-from hstu_inductor.patterns import spellings_attention as sp
+from hstu_inductor.testing import spellings_attention as sp
 from hstu_inductor.patterns.canonicalize import canonicalize
 from hstu_inductor.reference.jagged import jagged_to_padded
 from hstu_inductor.report import collecting

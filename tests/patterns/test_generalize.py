@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import hstu_inductor
 from hstu_inductor import _compat
 from hstu_inductor.patterns import run_rewriters
-from hstu_inductor.patterns import spellings_attention as sp
+from hstu_inductor.testing import spellings_attention as sp
 from hstu_inductor.report import collecting
 from _helpers import REWRITE_BACKEND
 

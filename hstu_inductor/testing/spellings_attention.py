@@ -3,7 +3,7 @@
 Every function here is plain PyTorch, written the way a user might write HSTU attention. They are
 both the documentation of what is matched and the test corpus (``tests/patterns``). The matcher
 does **not** enumerate them: it proves the semantics of whatever subgraph it finds (see
-``attention.py`` and its stages), so mixes of these spellings (any pad x any product x any mask) match too.
+``hstu_inductor/patterns/attention.py`` and its stages), so mixes of these spellings (any pad x any product x any mask) match too.
 
 Signature of every spelling: ``fn(q, k, v, offsets, num_targets=None, attn_scale=None)`` with
 ``q, k: [L, H, D]`` (or ``[L, H*D]`` where noted), ``v: [L, H, Dv]``, returning ``[L, H, Dv]``

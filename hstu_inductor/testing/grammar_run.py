@@ -1,0 +1,184 @@
+"""Run one grammar sample (``hstu_inductor.testing.grammar``) in one mode and record what happened.
+
+Modes (``MODES``):
+
+- ``fake_static``: ``B=128, N=4096, H=4, D=128`` (the model's constants at ``N=4096``), exported
+  with ``torch.export`` under ``FakeTensorMode`` with static shapes and rewritten; nothing is
+  allocated and nothing runs, so there is no numeric result.
+- ``fake_auto``: the same with ``torch.export.Dim.AUTO`` on the jagged rows and the batch dims.
+- ``compile_static`` / ``compile_dynamic``: ``B=4, N=16, H=2, D=8`` with lengths ``[N, 0, 1, r]``,
+  ``torch.compile(model, backend="hstu_eager", dynamic=False / True)`` after
+  ``torch._dynamo.reset()``; outputs (and, with ``grads=True``, gradients of the float inputs and
+  parameters) compared with eager by relative norm (fp32 ``1e-5`` / ``1e-4`` for gradients, bf16
+  ``2e-2``).
+
+A record's ``outcome``: ``rewritten`` (HSTU, every attention layer rewritten), ``partial`` (some),
+``declined`` (HSTU, none), ``near_miss_kept`` (a near miss left alone: right),
+``false_positive`` (a near miss rewritten: wrong), ``error`` (the model, export or compile raised;
+``error`` holds the exception). ``numeric_ok`` is False for any mismatch with eager, whatever the
+rewrite count.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import time
+import traceback
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .. import _compat, backend  # noqa: F401  (backend: the hstu ops and the hstu_eager backend)
+from ..patterns import run_rewriters
+from ..report import collecting
+from .grammar import Sample, reference_output, sample
+
+MODES = {
+    "fake_static": dict(B=128, N=4096, H=4, D=128),
+    "fake_auto": dict(B=128, N=4096, H=4, D=128),
+    "compile_static": dict(B=4, N=16, H=2, D=8),
+    "compile_dynamic": dict(B=4, N=16, H=2, D=8),
+}
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 5e-2)}  # (outputs, gradients)
+
+
+@dataclasses.dataclass
+class Record:
+    seed: int
+    mode: str
+    choices: dict
+    expected_hstu: bool
+    counts: dict = dataclasses.field(default_factory=dict)
+    reasons: list = dataclasses.field(default_factory=list)  # attention near-miss reasons
+    outcome: str = "error"
+    numeric_ok: bool | None = None  # None: not run (fake modes, or stopped before)
+    numeric_err: float | None = None
+    grad_err: float | None = None
+    ref_err: float | None = None  # the generated model vs reference.hstu_mha (HSTU samples)
+    seconds: float = 0.0
+    graphs: int = 0
+    error: str | None = None
+    traceback: str | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _layers(s: Sample) -> int:
+    return {"stack2": 2}.get(s.choices["form"], 1)
+
+
+def _outcome(s: Sample, counts: dict) -> str:
+    n = counts.get("attention", 0)
+    if not s.expected_hstu:
+        return "false_positive" if n else "near_miss_kept"
+    return "rewritten" if n >= _layers(s) else ("partial" if n else "declined")
+
+
+def _tuple(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def rel_err(a, b) -> float:
+    """``||a - b|| / ||b||`` in float64; 0 for two all-zero tensors, inf for shapes that differ."""
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return float("inf")
+    den = b.norm().item()
+    return (a - b).norm().item() / den if den > 0 else (a - b).norm().item()
+
+
+def _lengths(B, N, seed, L=None):
+    """Compile modes: ``[N, 0, 1, r, ...]``; fake modes: lengths summing to ``L`` near ``B*N``."""
+    if L is None:
+        rng = random.Random(seed)
+        return ([N, 0, 1] + [rng.randint(0, N) for _ in range(B)])[:B]
+    out = [N] * (B - 2) + [L - (B - 2) * N, 0]
+    assert 0 <= out[-2] <= N, (B, N, L)
+    return out
+
+
+def _dynamic_shapes(s: Sample, inputs):
+    auto = torch.export.Dim.AUTO
+    return {"args": tuple(None if t.dim() == 0 else {0: auto} for t in inputs)}
+
+
+def _fake(s: Sample, mode: str, rec: Record):
+    m = MODES[mode]
+    B, N, H, D = m["B"], m["N"], m["H"], m["D"]
+    with FakeTensorMode():
+        torch.manual_seed(s.seed)
+        model = s.build(N, H, D)
+        inputs = s.inputs(B, N, H, D, lengths=_lengths(B, N, s.seed, L=B * N - 3 * N // 2), seed=s.seed)
+        shapes = _dynamic_shapes(s, inputs) if mode == "fake_auto" else None
+        ep = torch.export.export(model, inputs, dynamic_shapes=shapes)
+    vals = [n.meta["val"] for n in ep.graph_module.graph.find_nodes(op="placeholder")]
+    with collecting() as report, torch._guards.detect_fake_mode(vals):
+        gm = _compat.trace_aten(ep.graph_module, vals)
+        run_rewriters(gm)
+    return report
+
+
+def _compiled(s: Sample, mode: str, rec: Record, grads: bool):
+    m = MODES[mode]
+    B, N, H, D = m["B"], m["N"], m["H"], m["D"]
+    grads = grads and s.differentiable
+    # aten's jagged <-> dense ops have no derivative: such models run without autograd (eager and
+    # compiled), or AOTAutograd's joint trace of their parameters would fail.
+    with contextlib.nullcontext() if s.differentiable else torch.no_grad():
+        return _compiled_run(s, mode, rec, grads, B, N, H, D)
+
+
+def _compiled_run(s: Sample, mode: str, rec: Record, grads: bool, B, N, H, D):
+    torch.manual_seed(s.seed)
+    model = s.build(N, H, D)
+    inputs = s.inputs(B, N, H, D, lengths=_lengths(B, N, s.seed), seed=s.seed, requires_grad=grads)
+    eager = _tuple(model(*inputs))
+    if s.expected_hstu:
+        with torch.no_grad():
+            ref = _tuple(reference_output(s, model, inputs))
+        rec.ref_err = rel_err(eager[0], ref[0])
+    torch._dynamo.reset()
+    with collecting() as report:
+        compiled = torch.compile(model, backend="hstu_eager", dynamic=mode == "compile_dynamic")
+        got = _tuple(compiled(*inputs))
+    rec.counts, rec.graphs = dict(report.counts), report.graphs
+    tol_out, tol_grad = TOLERANCE[s.dtype]
+    rec.numeric_err = max((rel_err(a, b) for a, b in zip(got, eager)), default=0.0) if len(got) == len(eager) \
+        else float("inf")
+    ok = rec.numeric_err < tol_out
+    if grads:
+        leaves = [t for t in inputs if t.is_floating_point() and t.requires_grad] + list(model.parameters())
+        cot = [torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(t.dtype) for t in eager]
+
+        def grad(outs):
+            return torch.autograd.grad([o for o in outs if o.requires_grad], leaves,
+                                       [c for o, c in zip(outs, cot) if o.requires_grad], allow_unused=True)
+
+        pairs = [(a, b) for a, b in zip(grad(got), grad(eager)) if b is not None and b.norm() > 0]
+        rec.grad_err = max((rel_err(a, b) if a is not None else float("inf") for a, b in pairs), default=0.0)
+        ok = ok and rec.grad_err < tol_grad
+    rec.numeric_ok = ok
+    return report
+
+
+def run(seed_or_sample, mode: str, grads: bool = False) -> Record:
+    """One sample in one mode; never raises (an exception is recorded as ``outcome="error"``)."""
+    s = seed_or_sample if isinstance(seed_or_sample, Sample) else sample(seed_or_sample)
+    rec = Record(s.seed, mode, dict(s.choices), s.expected_hstu)
+    start = time.perf_counter()
+    try:
+        report = _fake(s, mode, rec) if mode.startswith("fake") else _compiled(s, mode, rec, grads)
+        rec.counts, rec.graphs = dict(report.counts), report.graphs
+        rec.reasons = [r for k, r in report.near_misses if k == "attention"]
+        rec.outcome = _outcome(s, rec.counts)
+    except Exception as e:  # recorded, not raised: one bad model must not stop a measurement
+        rec.outcome = "error"
+        rec.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+        rec.reasons = [rec.error]
+        rec.traceback = traceback.format_exc(limit=-3)
+    finally:
+        torch._dynamo.reset()
+    rec.seconds = time.perf_counter() - start
+    return rec
