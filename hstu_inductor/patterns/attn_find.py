@@ -206,16 +206,22 @@ def _data_inputs(n, cache) -> list:
     return [a for a in n.all_input_nodes if has_float(a) and _is_data(a, cache)]
 
 
+# ops whose result depends on their input's shape and dtype only, never its values
+_METADATA_ONLY = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+                  aten.new_empty_strided.default, aten.empty_like.default, aten.zeros_like.default,
+                  aten.ones_like.default, aten.full_like.default}
+
+
 def _is_data(n, cache) -> bool:
-    """Iteratively (graphs are deep): whether a float graph input reaches ``n``."""
+    """Iteratively (graphs are deep): whether a float graph input's values reach ``n``."""
     stack = [n]
     while stack:
         x = stack[-1]
         if x in cache:
             stack.pop()
             continue
-        if x.op == "placeholder":
-            cache[x] = has_float(x)
+        if x.op == "placeholder" or x.target in _METADATA_ONLY:
+            cache[x] = x.op == "placeholder" and has_float(x)
             stack.pop()
             continue
         todo = [a for a in x.all_input_nodes if has_float(a) and a not in cache]

@@ -207,7 +207,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     ksyms = mask_constant_symbols(gm)
     if sym_n:
         side_floats, side_ints = scalar_constants([n for order in sides.values() for n in order])
-        kmax = {_const_value(len(ksyms) - 1, 2)} if ksyms else set()
+        kmax = {_const_value(len(ksyms) - 1, 2) + 2} if ksyms else set()
         Ns = probe_ns(plan, base, floats | side_floats, ints | side_ints | kmax, Bs, Ls)
         probes = []
         for idx, Nv in enumerate(Ns):
@@ -221,7 +221,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     gen = torch.Generator().manual_seed(4321)
     alphas = sorted({1.0} | {c for c in floats if c != 0} | {1.0 / c for c in floats if c != 0})
     mask_ints = {i for i in ints if 0 < i <= max(Nv for Nv, _ in probes) + 1}
-    mask_ints |= {_const_value(i, 0) for i in range(len(ksyms))}  # the constants' values at probe 0
+    mask_ints |= {_const_value(i, 0) + d for i in range(len(ksyms)) for d in range(3)}  # values at probe 0
     chosen = None
     consts = []  # symbolic N: (N, fitted score constant, binding) per probe
     for p, (Np, lengths) in enumerate(probes):
@@ -360,10 +360,14 @@ def mask_constant_symbols(gm) -> list:
             if str(n.target).startswith(CONST_PREFIX) and isinstance(meta_val(n), torch.SymInt)]
 
 
+_CONST_SPAN = range(-1, 4)  # a constant symbol k stands for the literals k .. k + 2 (generalize._clusters):
+#                            a fitted mask parameter k - 1 .. k + 3 names it
+
+
 def _const_value(i, p) -> int:
-    """The probe value of mask constant ``i`` at probe ``p``: distinct constants stay 4 apart, so a
-    fitted ``k - 1 .. k + 1`` names one constant, and each takes three values across the probes."""
-    return 3 + 4 * i + p % 3
+    """The probe value of mask constant ``i`` at probe ``p``: distinct constants stay 8 apart, so a
+    fitted ``k - 1 .. k + 3`` names one constant, and each takes three values across the probes."""
+    return 3 + 8 * i + p % 3
 
 
 def constant_params(params, ksyms, binding) -> tuple:
@@ -373,7 +377,7 @@ def constant_params(params, ksyms, binding) -> tuple:
     for x in params[1:]:
         for k in ksyms:
             d = x - concrete(k, binding)
-            if x > 0 and abs(d) <= 1:
+            if x > 0 and d in _CONST_SPAN:
                 x = k + d
                 break
         out.append(x)

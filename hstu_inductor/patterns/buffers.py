@@ -83,13 +83,20 @@ def _replacement(graph, n) -> Optional[tuple]:
     if n.target in _FACTORY and "dtype" not in n.kwargs:  # default dtype: spell it out
         fill = _FACTORY[n.target] if _FACTORY[n.target] is not None else n.args[1]
         return (n, list(n.args[0]), fill)
-    if n.target in _FILL:  # torch.empty(...).zero_() / .fill_(c): a constant once filled
+    if n.target in _FILL:  # torch.empty(...) / x.new_empty(...) / empty_like(x), then .zero_() / .fill_(c)
         buf = n.args[0]
-        if not (isinstance(buf, torch.fx.Node) and buf.target is aten.empty.memory_format
-                and len(buf.users) == 1 and not buf.kwargs.get("memory_format")):
+        if not (isinstance(buf, torch.fx.Node) and len(buf.users) == 1 and not buf.kwargs.get("memory_format")):
+            return None
+        if buf.target is aten.empty.memory_format:
+            sizes = list(buf.args[0])
+        elif buf.target is aten.new_empty.default:
+            sizes = list(buf.args[1])
+        elif buf.target is aten.empty_like.default:
+            sizes = _sizes(graph, buf, buf.args[0])
+        else:
             return None
         fill = _FILL[n.target] if _FILL[n.target] is not None else n.args[1]
-        return (n, list(buf.args[0]), fill)
+        return (n, sizes, fill) if sizes is not None else None
     return None
 
 

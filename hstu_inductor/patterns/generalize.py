@@ -101,8 +101,8 @@ _ARITH = {"mul", "add", "sub", "rsub", "div", "floor_divide", "remainder", "fmod
 
 
 # Integer literals compared with or added to integer tensors (positions, ids, distances) are the
-# mask's constants: a window, a contextual prefix, a min-full length. Each distinct value becomes a
-# symbol of its own (a ``SymInt`` input named ``hstu_const_<value>``), so the proof holds uniformly
+# mask's constants: a window, a contextual prefix, a min-full length. Each value becomes a symbol
+# (a ``SymInt`` input named ``hstu_const_<value>``; values 1-2 apart share one, see _clusters), so the proof holds uniformly
 # in it and is probed at small values, whatever its real size (a window of 1024 at N=4096). A value
 # equal to an atom is tried as that atom first (index arithmetic ``seq * N + pos`` must stay N).
 CONST_PREFIX = "hstu_const_"
@@ -125,6 +125,18 @@ def _mask_ints(gm) -> set:
     for n in gm.graph.nodes:
         if n.op == "call_function" and _is_mask_arith(n):
             out |= {a for a in [*n.args, *n.kwargs.values()] if _is_int(a) and 2 <= a < 2 ** 31}
+    return out
+
+
+def _clusters(values) -> list:
+    """``(base, members)``: mask constants within 2 of each other share one symbol (``c - 1`` and ``c``
+    of a contextual prefix, ``w`` and ``w + 1``), each ``base + offset``, at most 3 apart."""
+    out = []
+    for c in sorted(values):
+        if out and c - out[-1][1][-1] <= 2 and c - out[-1][0] <= 2:
+            out[-1][1].append(c)
+        else:
+            out.append((c, [c]))
     return out
 
 
@@ -156,7 +168,8 @@ class _Generaliser:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         self.gm, self.sizes, self.overrides, self.arith = gm, sizes, overrides, arith
-        self.consts: dict = {}         # literal value -> its constant symbol (mask constants, see _mask_ints)
+        self.consts: dict = {}         # literal value -> symbol + offset (mask constants, see _mask_ints)
+        self.const_bases: list = []    # real value of each constant symbol, in input order
         self.use_consts = consts
         self.named_atoms: list = []    # (sympy expr, hint, "B" | "N" | "L")
         self.shape_env = ShapeEnv(duck_shape=False)
@@ -272,12 +285,13 @@ class _Generaliser:
             ph.meta["val"] = val
             self.sym_nodes[val.node.expr] = ph
             self.named_atoms.append((val.node.expr, n, "N"))
-        for c in sorted(_mask_ints(self.gm)) if self.use_consts else ():
-            ph = self.graph.placeholder(f"{CONST_PREFIX}{c}")
-            val = self._symint(c, f"{CONST_PREFIX}{c}")
+        for base, members in _clusters(_mask_ints(self.gm)) if self.use_consts else ():
+            ph = self.graph.placeholder(f"{CONST_PREFIX}{base}")
+            val = self._symint(base, f"{CONST_PREFIX}{base}")
             ph.meta["val"] = val
             self.sym_nodes[val.node.expr] = ph
-            self.consts[c] = val.node.expr
+            self.const_bases.append(base)
+            self.consts.update({c: val.node.expr + (c - base) for c in members})
         if B_sym is not None:
             self.named_atoms.append((B_sym, sz.B, "B"))
         if L_sym is not None:
@@ -400,6 +414,9 @@ class _Generaliser:
                     opts.append((-deg, c // h, sympy.expand(expr * (c // h))))
         # exact values first, then fewer atoms (N = 1024 is N, not B*B with B = 32), then small factors
         opts.sort(key=lambda t: (t[1] != 1, -t[0], t[1]))
+        # one row more or less than N or L (a buffer with a sentinel row, L + 1 slots for a cumsum)
+        opts += [(0, 1, sympy.expand(e + d)) for e, h, kind in self.named_atoms if kind in ("N", "L")
+                 for d in (1, -1) if c == h + d]
         seen, out = set(), []
         for _, _, e in opts:
             if e not in seen:
@@ -745,7 +762,7 @@ def _generalised(gm, e, leaves, prove, rewrite):
     for arith, consts in ((True, True), (False, True), (False, False)):
         gen, g = generalise(sub, sizes, arith, consts)
         gen.recompile()
-        extra = list(g.consts)
+        extra = list(g.const_bases)
         back = _specialise(gen, vals, sizes, fake_mode, extra)
         diff = same_graph(sub, back)
         if diff is not None:
@@ -770,7 +787,7 @@ def _generalised(gm, e, leaves, prove, rewrite):
     gen.recompile()
     spec = _specialise(gen, vals, sizes, fake_mode, extra)
     _splice(gm, spec, inputs, e.last)
-    gen_plan.constants = {sym: c for c, sym in g.consts.items()}
+    gen_plan.constants = {g.consts[c]: c for c in g.const_bases}
     return gen_plan
 
 
@@ -816,14 +833,13 @@ def same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> Optional[str
 
     def norm(x, index):
         if isinstance(x, torch.fx.Node):
+            if isinstance(x.meta.get("val"), torch.SymInt):  # a size, however it is read: its value
+                return norm(x.meta["val"], index)
             if x.op == "placeholder":
-                v = x.meta.get("val")
-                if isinstance(v, torch.SymInt) and is_static(v):
-                    return int(sym_expr(v))
                 return ("input", placeholders(x.graph).index(x))
             if x.target is aten.sym_size.int or _is_sym_arith(x):
                 v = x.meta.get("val")
-                return norm(v, index) if isinstance(v, (int, torch.SymInt)) else ("sym", str(v))
+                return v if isinstance(v, int) else ("sym", str(v))
             return ("node", index.get(x))
         if isinstance(x, (list, tuple)):
             return tuple(norm(y, index) for y in x)
