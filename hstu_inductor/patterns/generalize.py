@@ -119,12 +119,23 @@ def _is_mask_arith(node) -> bool:
     return bool(tensors) and not any(v.is_floating_point() for v in tensors)
 
 
+def _diagonal(node):
+    """The ``diagonal`` literal of a ``tril`` / ``triu`` node (a window spelled ``ones.tril().triu(-w)``), else None."""
+    if node.op != "call_function" or _packet(node.target) not in ("tril", "triu"):
+        return None
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal")
+    return d if _is_int(d) else None
+
+
 def _mask_ints(gm) -> set:
-    """The literals >= 2 that :func:`_is_mask_arith` nodes of ``gm`` use."""
+    """The literals >= 2 that :func:`_is_mask_arith` nodes of ``gm`` use, and ``tril``/``triu``
+    diagonals of size >= 2 (as their absolute values)."""
     out = set()
     for n in gm.graph.nodes:
         if n.op == "call_function" and _is_mask_arith(n):
             out |= {a for a in [*n.args, *n.kwargs.values()] if _is_int(a) and 2 <= a < 2 ** 31}
+        if (d := _diagonal(n)) is not None and 2 <= abs(d) < 2 ** 31:
+            out.add(abs(d))
     return out
 
 
@@ -502,7 +513,7 @@ class _Generaliser:
         args = list(args)
         kwargs = dict(kwargs)
         key = node.name
-        if not self.atoms and name not in _ARITH:  # sizes already symbolic: only the mask constants
+        if not self.atoms and name not in _ARITH and _diagonal(node) is None:  # sizes already symbolic: only the mask constants
             return tuple(args), kwargs
 
         if name in _LIST_VIEW and len(args) > 1 and isinstance(args[1], (list, tuple)):
@@ -567,6 +578,11 @@ class _Generaliser:
             kwargs["output_size"] = self._fresh_size(key, ("output_size",), kwargs["output_size"])
         elif name == "repeat" and len(args) > 1:
             args[1] = [self._fresh_size(key, ("repeat", i), s) if _is_int(s) else s for i, s in enumerate(args[1])]
+        elif (d := _diagonal(node)) is not None and abs(d) in self.consts:  # a window as a diagonal
+            sign = 1 if d > 0 else -1
+            opts = [sign * self.consts[abs(d)], sympy.Integer(d)]
+            args = args[:1] + [self.emit(self.choose((key, "arith", 1), opts))] + args[2:]
+            kwargs.pop("diagonal", None)
         elif name in _ARITH:
             for i, a in enumerate(args):
                 if _is_int(a) and (i > 0 or name == "scalar_tensor"):
