@@ -595,7 +595,10 @@ class _Generaliser:
     def _fresh_size(self, key, where, c):
         if not _is_int(c) or c < 2:
             return c
-        return self.emit(self.choose((key,) + where, self.size_options(c)))
+        opts = self.size_options(c)
+        if (c,) in self.features:  # a feature size (arange over the features of a row): literal first
+            opts = opts[-1:] + opts[:-1]
+        return self.emit(self.choose((key,) + where, opts))
 
     def _fresh_list(self, key, sizes):
         """Sizes of a new tensor: a trailing run that is a known feature shape stays constant."""
@@ -773,9 +776,10 @@ def _generalised(gm, e, leaves, prove, rewrite):
         raise GeneralizeError("the candidate reads no fake tensor input")
     sizes = dataclasses.replace(e.sizes, descriptor=env[plan.offsets].name if plan.offsets in env else None)
     first = None
-    # literals as symbols first; then index-arithmetic literals that only equal N by accident kept;
-    # then mask constants kept too (a literal the mask does not use as a constant of HSTU's)
-    for arith, consts in ((True, True), (False, True), (False, False)):
+    # literals as symbols first; then mask constants kept (a literal the mask does not use as one
+    # of HSTU's constants, e.g. a contextual prefix of 2 whose c - 1 = 1 stays a literal); then
+    # index-arithmetic literals that only equal N by accident kept; then both
+    for arith, consts in ((True, True), (True, False), (False, True), (False, False)):
         gen, g = generalise(sub, sizes, arith, consts)
         gen.recompile()
         extra = list(g.const_bases)

@@ -36,7 +36,7 @@ ALPHA = 0.25
 ATTN = torch.ops.hstu.attention.default
 # op args: q, k, v, offsets, N, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
 # min_full_attn_seq_len, causal
-ARG_N, ARG_W, ARG_C = 4, 8, 9
+ARG_N, ARG_W, ARG_C, ARG_F = 4, 8, 9, 10
 
 PROD = dict(B=128, N=4096, H=4, D=128)
 SMALL_LENGTHS = [16, 0, 1, 9]  # B=4, N=16: lengths 0, 1 and N
@@ -119,6 +119,10 @@ DATAFLOW = {
     "onehot_matmul_pad_gather_unpad": (pad_onehot, unpad_gather),
     "gather_mask_pad_gather_unpad": (pad_gather_mask, unpad_gather),
 }
+# the ops that end each pad and unpad (named in the report's description of the rewrite)
+DATAFLOW_OPS = {"embedding_pad_index_select_unpad": ("embedding", "index_select"),
+                "onehot_matmul_pad_gather_unpad": ("mm", "gather"),
+                "gather_mask_pad_gather_unpad": ("mul", "gather")}
 
 
 class _Attn(torch.nn.Module):
@@ -132,21 +136,30 @@ class _Attn(torch.nn.Module):
         return self.fn(q, k, v, offsets, self.N, *extra)
 
 
-def _rewrite_fake(fn, B, N, H, D, need_nt=False):
-    """Export ``fn(q, k, v, offsets[, num_targets], N)`` under fake tensors at the given sizes and
-    run the rewriters on its ATen graph (nothing allocated). Returns (report, graph, seconds)."""
+def _export_fake(fn, B, N, H, D, need_nt=False):
+    """Export ``fn(q, k, v, offsets[, num_targets], N)`` under fake tensors at the given sizes
+    (nothing allocated). Returns the exported program and its placeholders' fake values."""
     L = B * N - 3 * N // 2
     with FakeTensorMode():
         args = [torch.empty(L, H, D) for _ in range(3)] + [torch.empty(B + 1, dtype=torch.int64)]
         if need_nt:
             args.append(torch.empty(B, dtype=torch.int64))
         ep = torch.export.export(_Attn(fn, N), tuple(args))
-    vals = [n.meta["val"] for n in ep.graph_module.graph.find_nodes(op="placeholder")]
+    return ep, [n.meta["val"] for n in ep.graph_module.graph.find_nodes(op="placeholder")]
+
+
+def _rewrite_exported(ep, vals):
+    """Run the rewriters on the ATen graph of ``ep``. Returns (report, graph, seconds)."""
     start = time.perf_counter()
     with collecting() as report, torch._guards.detect_fake_mode(vals):
         gm = _compat.trace_aten(ep.graph_module, vals)
         run_rewriters(gm)
     return report, gm, time.perf_counter() - start
+
+
+def _rewrite_fake(fn, B, N, H, D, need_nt=False):
+    """:func:`_export_fake` then :func:`_rewrite_exported`: (report, graph, seconds)."""
+    return _rewrite_exported(*_export_fake(fn, B, N, H, D, need_nt))
 
 
 def _ops(gm):
@@ -180,7 +193,36 @@ def test_dataflow_pads_production_size_fake(name):
     assert report.counts["attention"] == 1, report.near_misses
     (op,) = _ops(gm)
     assert op.args[ARG_N] == 4096
+    assert all(o in report.details[0][1] for o in DATAFLOW_OPS[name]), report.details
     print(f"\n{name}: production-size rewrite {secs:.2f} s; {report.details}")
+
+
+def pad_onehot_where(x, offsets, N):
+    """One-hot matmul pad with the one-hot matrix spelled ``where(hit, 1.0, 0.0).to(x.dtype)``."""
+    idx, valid = _slots(offsets, N)
+    hit = (idx.reshape(-1, 1) == torch.arange(x.shape[0], device=x.device)[None, :]) & valid.reshape(-1, 1)
+    return (torch.where(hit, 1.0, 0.0).to(x.dtype) @ x).view(-1, N, x.shape[1])
+
+
+def pad_gather_mask_cast(x, offsets, N):
+    """:func:`pad_gather_mask` with the mask cast twice (``.float().to(x.dtype)``, the second a no-op)."""
+    idx, valid = _slots(offsets, N)
+    return x[idx.clamp(max=x.shape[0] - 1)] * valid[:, :, None].float().to(x.dtype)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "torch.export keeps an aten._assert_tensor_metadata node for a no-op ``.to(dtype)``; the prover counts it "
+    "as a user outside the attention of the pad's intermediate ('intermediate where has a user outside the "
+    "attention (_assert_tensor_metadata); rewriting would keep it alive') and declines. Exported programs "
+    "only (hstu_inductor.export too); torch.compile of the same code is rewritten"))
+@pytest.mark.parametrize("pad", [pad_onehot_where, pad_gather_mask_cast], ids=["onehot_where", "mask_cast"])
+def test_noop_cast_in_pad_exported(pad):
+    """Export path at the production size: a pad with a no-op ``.to(x.dtype)`` inside."""
+    fn = lambda q, k, v, o, N: attention(q, k, v, o, N, pad, unpad_gather)  # noqa: E731
+    report, gm, _ = _rewrite_fake(fn, **PROD)
+    assert report.counts["attention"] == 1, report.near_misses
+    (op,) = _ops(gm)
+    assert op.args[ARG_N] == 4096
 
 
 @pytest.mark.parametrize("name", list(DATAFLOW))
@@ -274,7 +316,8 @@ def test_dataflow_near_misses_not_rewritten(kind):
         return
     assert rel_err(ref, hstu) > 1e-2  # really not HSTU attention of (q, k, v)
     assert report.counts["attention"] == 0, report.details
-    assert _attention_misses(report), report
+    misses = _attention_misses(report)
+    assert misses and not any("prover error" in r for r in misses), report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,30 +368,58 @@ def test_mask_constants_never_confused(W, C, expect_w):
     assert _op_param(op, ARG_C) == C, op.args
 
 
-def test_window_300_dynamic_true_equal_to_eager():
-    """dynamic=True, N an int forward argument, window 300 (public style, contextual 3, targets):
-    rewritten; equal to eager at N=20 (the window idle) and, reusing the compiled graph, at N=400
-    where the window acts (lengths 400, 333, 0, 1)."""
-    pm = pytest.importorskip("public_style_models")
-    pytest.importorskip("fbgemm_gpu")
+@pytest.mark.parametrize("spelling", ["public_style_hstu", "raw_positions_near_miss"])
+def test_window_300_dynamic_true_equal_to_eager(spelling):
+    """dynamic=True, N an int forward argument, window 300 (more than the probes can reach at the
+    constant's own value), num_targets. ``public_style_hstu`` (fbgemm pads, contextual 3): rewritten
+    with window 300. ``raw_positions_near_miss`` (our ids mask, the window on raw positions): not
+    HSTU once N > 300, though equal to it at the compile-time N=20, so it must be left alone.
+    Both equal eager at N=20 and, reusing the compiled code, at N=400 where the window acts
+    (lengths 400, 333, 0, 1; 50 targets in the first sequence)."""
+    if spelling == "public_style_hstu":
+        pm = pytest.importorskip("public_style_models")
+        pytest.importorskip("fbgemm_gpu")
+        attn = lambda q, k, v, o, N, nt: pm.silu_attention(  # noqa: E731
+            N, 0.125, q, k, v, o, num_targets=nt, max_attn_len=300, contextual=3)
+    else:
+        attn = lambda q, k, v, o, N, nt: attention(  # noqa: E731
+            q, k, v, o, N, pad_index_put, unpad_index_select, mask=lambda o_, n: ids_mask(o_, n, nt, 300, "raw_positions"))
 
     class M(torch.nn.Module):
         def forward(self, q, k, v, offsets, N, nt):
-            return pm.silu_attention(N, 0.125, q, k, v, offsets, num_targets=nt, max_attn_len=300, contextual=3)
+            return attn(q, k, v, offsets, N, nt)
 
     model = M()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=REWRITE_BACKEND, dynamic=True)
+    hstu = spelling == "public_style_hstu"
+    dtype, tol = (torch.float32, 1e-5) if hstu else (torch.float64, 1e-10)  # fbgemm's CPU pads: no fp64
+    outs = []
     for N, lengths, seed in [(20, [5, 0, 17, 20, 1], 31), (400, [400, 333, 0, 1], 32)]:
-        q, k, v, offsets, nt = _small_inputs(lengths, seed=seed, nt=True)
+        q, k, v, offsets, nt = _small_inputs(lengths, seed=seed, nt=True, dtype=dtype)
+        nt[0] = 3 if N == 20 else 50
         with collecting() as report, torch.no_grad():
             out = compiled(q, k, v, offsets, N, nt)
             ref = model(q, k, v, offsets, N, nt)
-        if N == 20:
-            assert report.counts["attention"] == 1, report.near_misses
-            assert "max_attn_len=300" in report.details[0][1], report.details
-        assert report.counts["attention"] in (0, 1) and not _attention_misses(report), report
-        assert rel_err(out, ref) < 1e-5, N
+        misses = _attention_misses(report)
+        assert not any("prover error" in r for r in misses), misses
+        if N == 20:  # the first call compiles
+            assert report.counts["attention"] == (1 if hstu else 0), (report.details, misses)
+            if hstu:
+                assert "max_attn_len=300" in report.details[0][1], report.details
+            else:
+                assert misses, report
+        else:
+            assert report.counts["attention"] == 0 or hstu, report.details  # a recompile rewrites only HSTU
+        outs.append((out, ref))
+    for out, ref in outs:
+        assert rel_err(out, ref) < tol
+    if not hstu:  # the near miss really differs from HSTU with window 300 at N=400
+        q, k, v, offsets, nt = _small_inputs([400, 333, 0, 1], seed=32, nt=True, dtype=torch.float64)
+        nt[0] = 50
+        le = attention(q, k, v, offsets, 400, pad_index_put, unpad_index_select,
+                       mask=lambda o_, n: ids_mask(o_, n, nt, 300, "le"))
+        assert rel_err(outs[1][1], le) > 1e-3
     torch._dynamo.reset()
 
 
@@ -363,6 +434,9 @@ def ids_mask(offsets, N, nt, w, variant):
         return ok & (dist < w)
     if variant == "le":            # HSTU with window w
         return ok & (dist <= w)
+    if variant == "le_full_half":  # HSTU with window w and min_full_attn_seq_len w // 2
+        M = (lengths - nt)[:, None]
+        return ok & ((dist <= w) | (ids >= M - w // 2)[:, :, None])
     if variant == "raw_positions":  # not HSTU: the window on raw positions, targets on clamped ids
         return ok & ((pos[:, None] - pos[None, :]) <= w)[None]
     if variant == "even_rows":     # not HSTU: the window only on even rows
@@ -377,14 +451,16 @@ def _ids_model(w, variant, N):
     return fn, _Attn(fn, N)
 
 
-@pytest.mark.parametrize("variant,expect_w", [("le", 1024), ("lt", 1023)])
-def test_window_constant_fitted_at_production_size(variant, expect_w):
-    """``dist <= 1024`` is window 1024, ``dist < 1024`` window 1023 (the constant minus one)."""
+@pytest.mark.parametrize("variant,expect_w,expect_f", [("le", 1024, 0), ("lt", 1023, 0), ("le_full_half", 1024, 512)])
+def test_window_constant_fitted_at_production_size(variant, expect_w, expect_f):
+    """``dist <= 1024`` is window 1024, ``dist < 1024`` window 1023 (the constant minus one);
+    ``| ids >= M - 512`` adds min_full_attn_seq_len 512 (two mask constants, each its own value)."""
     fn, _ = _ids_model(1024, variant, PROD["N"])
     report, gm, _ = _rewrite_fake(fn, **PROD, need_nt=True)
     assert report.counts["attention"] == 1, report.near_misses
     (op,) = _ops(gm)
-    assert (op.args[ARG_N], _op_param(op, ARG_W), _op_param(op, ARG_C)) == (4096, expect_w, 0)
+    assert (op.args[ARG_N], _op_param(op, ARG_W), _op_param(op, ARG_C), _op_param(op, ARG_F)) == \
+        (4096, expect_w, 0, expect_f)
 
 
 @pytest.mark.parametrize("variant", ["raw_positions", "even_rows"])
@@ -395,7 +471,9 @@ def test_window_constant_near_miss_production_size(variant):
     report, gm, _ = _rewrite_fake(fn, **PROD, need_nt=True)
     assert report.counts["attention"] == 0, report.details
     assert not _ops(gm)
-    assert _attention_misses(report), report
+    misses = _attention_misses(report)
+    # declined by the proof on the generalised graph (not by a structural or internal failure)
+    assert misses and "generalised graph" in misses[0] and "prover error" not in misses[0], misses
 
 
 @pytest.mark.parametrize("variant", ["raw_positions", "even_rows"])
@@ -412,5 +490,52 @@ def test_window_constant_near_miss_small_equal_to_eager(variant):
         hstu = _ids_model(W, "le", SMALL_N)[1](q, k, v, offsets, nt)
     assert rel_err(ref, hstu) > 1e-3
     assert report.counts["attention"] == 0, report.details
-    assert _attention_misses(report), report
+    misses = _attention_misses(report)
+    assert misses and not any("prover error" in r for r in misses), report
     assert rel_err(report.output, ref) < 1e-10
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The proof's budget
+# ---------------------------------------------------------------------------------------------
+def _rss_kib():
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+
+
+def test_proof_budget_window_1024_at_n4096():
+    """Time and peak extra resident memory of rewriting the window-1024, N=4096 static candidate
+    (B=128, H=4, D=128, fake: the memory is the proof's probes). The peak is measured by resetting
+    the kernel's high-water mark (``/proc/self/clear_refs`` 5, which ``ru_maxrss`` follows) right
+    before the rewrite: peak RSS during it minus RSS before it (freed heap trimmed first, so memory
+    that earlier tests freed and the proof reuses counts; a fresh process measured 26 MiB,
+    1.0 s on 2026-11-23)."""
+    import gc
+    import resource
+
+    ep, vals = _export_fake(_public_style(1024, 2), **PROD, need_nt=True)
+    gc.collect()
+    try:  # hand freed heap pages back to the kernel: memory reused by the proof is counted again
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        pytest.skip(f"cannot reset the peak RSS here: {e}")
+    before = _rss_kib()
+    assert before["VmHWM"] - before["VmRSS"] < 4096, before  # the reset took effect
+    report, gm, secs = _rewrite_exported(ep, vals)
+    after = _rss_kib()
+    extra_mib = (max(after["VmHWM"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) - before["VmRSS"]) / 1024
+    assert report.counts["attention"] == 1, report.near_misses
+    m = re.search(r"proof ([0-9.]+) s", report.details[0][1])
+    assert m, report.details
+    proof_s = float(m.group(1))
+    print(f"\nproof budget (window 1024, N=4096 static): proof {proof_s:.2f} s (rewrite {secs:.2f} s), "
+          f"peak extra RSS {extra_mib:.1f} MiB")
+    assert extra_mib <= 256, extra_mib
+    assert proof_s <= 10.0, proof_s
