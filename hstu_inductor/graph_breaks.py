@@ -204,6 +204,10 @@ def warn_splits(records: list) -> None:
 
 _HINTS = (  # (pattern on Dynamo's reason, lower case; hint), first match wins
     (r"graph_break\(\)", "remove the explicit torch._dynamo.graph_break() call"),
+    (r"dynamic shape operator|dynamic_output_shape",
+     "an op whose output size depends on tensor data (repeat_interleave without output_size, nonzero, "
+     "masked_select): pass output_size= (e.g. the row count L = x.shape[0]) where the op takes it, or set "
+     "torch._dynamo.config.capture_dynamic_output_shape_ops = True so the op stays in the graph"),
     (r"\.item\(\)|tolist|capture_scalar_outputs|data-dependent (?:operator|output)|unbacked",
      "`.item()`/`.tolist()` reads tensor data (e.g. offsets or lengths) on the host: pass the max length as a "
      "Python int (a model constant) instead, or set torch._dynamo.config.capture_scalar_outputs = True"),
