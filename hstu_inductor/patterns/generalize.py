@@ -596,7 +596,9 @@ class _Generaliser:
         if not _is_int(c) or c < 2:
             return c
         opts = self.size_options(c)
-        if (c,) in self.features:  # a feature size (arange over the features of a row): literal first
+        # a feature size (an arange over a row's features) that is only a multiple of an atom
+        # (512 = 4 * B): the literal first; one equal to an atom (D = B = 128) stays an atom first
+        if (c,) in self.features and all(h != c for _, h, _ in self.named_atoms):
             opts = opts[-1:] + opts[:-1]
         return self.emit(self.choose((key,) + where, opts))
 
