@@ -18,7 +18,6 @@ the same inputs are printed too. Writes ``rab_attention.csv`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import os
 import sys
@@ -26,6 +25,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import write_csv  # noqa: E402
 
 log = logging.getLogger("rab_attention")
 PROVIDERS = ["hstu_no_rab", "hstu_rab_1h", "hstu_rab_b1", "inductor_rab_1h"]
@@ -109,13 +111,7 @@ def main():
                              peak_mib=round(peak, 1), rel_err_out=f"{err:.2e}", rel_err_drab=f"{drab_err:.2e}"))
             log.info("N=%d %-16s %.3f ms  %.1f TFLOP/s  peak %.0f MiB  err out %.2e d_rab %.2e", N, prov, ms,
                      flops / ms / 1e9, peak, err, drab_err)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "rab_attention.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    log.info("wrote %s", path)
+    write_csv(rows, args.out, "rab_attention.csv")
 
 
 if __name__ == "__main__":

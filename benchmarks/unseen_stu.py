@@ -19,7 +19,6 @@ median) for stock Inductor and for ``backend="hstu"``, measured in the same proc
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import os
 import sys
@@ -28,6 +27,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import write_csv  # noqa: E402
 
 log = logging.getLogger("unseen_stu")
 
@@ -149,13 +151,7 @@ def main():
                          counts or "-", ms, err, derr)
             log.info("%-10s %-15s speed-up of hstu over stock Inductor: %.2fx", spelling, mode,
                      times["inductor"] / times["hstu"])
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "unseen_stu.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    log.info("wrote %s", path)
+    write_csv(rows, args.out, "unseen_stu.csv")
 
 
 if __name__ == "__main__":
