@@ -5,8 +5,8 @@ A candidate is anchored at a ``bmm`` ``O = X @ Y`` whose left operand ``X`` is r
 operand is followed back through layout ops, scalar multiplies and feature slices to the dense tensor
 ``D`` that feeds it (:func:`walk_sliced`), and ``D`` back by data flow to the one jagged source it
 reads (:func:`source_candidates`: whatever ops spell the pad); :func:`find_operand` bundles that as an
-:class:`Operand`. The jagged
-integer input of the pads (offsets or lengths) is :func:`jagged_descriptor`.
+:class:`Operand`. The jagged integer input of the pads (offsets or lengths) is
+:func:`jagged_descriptor`.
 
 Nothing here is proven: the walks only say *what* the next stages check (``attn_structure``: the
 layouts, ``attn_prove``: the meaning). The node helpers and op sets at the top are the vocabulary of
@@ -18,7 +18,6 @@ import dataclasses
 import operator
 from typing import Optional
 
-import sympy
 import torch
 
 from .. import _compat, config
