@@ -244,19 +244,18 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         lens = torch.tensor(lengths, dtype=torch.int64)
         env0, targets = probe_inputs(plan, descriptor_probe(plan, off, lens), sym_leaves, binding, lengths, rng, p)
         cost = probe_cost([*s_order, *u_order, *(n for _, order in pads for n in order)], binding)
-        if cost > _MAX_PROBE_ELEMS and (ksyms or plan.constants):  # already generalised
+        if cost > _MAX_PROBE_ELEMS and ksyms:  # already generalised
             raise Decline(f"too large to prove numerically at N={Np} ({cost:.2g} elements per probe; "
                           f"symbolic N is probed above every integer constant of the score subgraph)")
         if cost > _MAX_PROBE_ELEMS:  # proven on small instances of the same graph instead (generalize.py)
             # the generalised copy starts at the furthest source candidate of each pad, so that
             # the pad's own source is inside it whichever candidate that turns out to be
+            # (all candidates have the source's rows, so ``L`` is the same for them)
             leaves = {source_candidates(x.D)[-1] for x in (q, k, v)}
-            rows = {sym_expr(meta_val(x).shape[0]) for x in leaves}
-            Lg = int(next(iter(rows))) if len(rows) == 1 and next(iter(rows)).is_Integer else Ls
             what = f"at N={Np} (a constant of the score subgraph)" if sym_n else "at these static sizes"
             raise TooLarge(f"too large to prove numerically {what} ({cost:.2g} elements per probe)",
                            plan=plan, last=list(post)[-1] if post else plan.out, B=Bs, N=N if isinstance(N, int) else None,
-                           L=Lg, descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
+                           L=Ls, descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
                            lengths=plan.lengths, leaves=leaves)
 
         # pads
@@ -371,7 +370,8 @@ def _const_value(i, p) -> int:
 
 
 def constant_params(params, ksyms, binding) -> tuple:
-    """The fitted mask parameters, each a mask constant's symbol (+-1) where its value says so:
+    """The fitted mask parameters, each a mask constant's symbol plus an offset in ``_CONST_SPAN``
+    where its value says so:
     checked at every other probe, where the constants take other values."""
     out = [params[0]]
     for x in params[1:]:
