@@ -80,6 +80,7 @@ class Plan:
     Z: tuple = None              # modes of the score product's batch dim: (sequence, head digits)
     Y: tuple = None              # layout of the value product's right operand (v)
     size_reads: list = dataclasses.field(default_factory=list)  # size reads re-pointed by the rewrite
+    metadata_asserts: list = dataclasses.field(default_factory=list)  # export's asserts on replaced casts
 
 
 
@@ -498,6 +499,9 @@ def structure(S, pv, lengths, sources=None) -> tuple[Plan, Subgraphs]:
                 continue
             if u.target in SIZE_READS and size_source(u) is not None:  # re-read from inputs on rewrite
                 plan.size_reads.append(u)
+                continue
+            if u.target is aten._assert_tensor_metadata.default:  # export's check of a cast: dropped with it
+                plan.metadata_asserts.append(u)
                 continue
             raise Decline(f"intermediate {n.name} has a user outside the attention ({u.name}); "
                           f"rewriting would keep it alive")

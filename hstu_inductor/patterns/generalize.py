@@ -809,6 +809,8 @@ def _generalised(gm, e, leaves, prove, rewrite):
     gen.recompile()
     spec = _specialise(gen, vals, sizes, fake_mode, extra)
     _splice(gm, spec, inputs, e.last)
+    for a in plan.metadata_asserts:  # as attn_emit.rewrite does: their cast is replaced
+        gm.graph.erase_node(a)
     gen_plan.constants = {g.consts[c]: c for c in g.const_bases}
     return gen_plan
 

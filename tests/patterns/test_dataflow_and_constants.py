@@ -210,14 +210,10 @@ def pad_gather_mask_cast(x, offsets, N):
     return x[idx.clamp(max=x.shape[0] - 1)] * valid[:, :, None].float().to(x.dtype)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "torch.export keeps an aten._assert_tensor_metadata node for a no-op ``.to(dtype)``; the prover counts it "
-    "as a user outside the attention of the pad's intermediate ('intermediate where has a user outside the "
-    "attention (_assert_tensor_metadata); rewriting would keep it alive') and declines. Exported programs "
-    "only (hstu_inductor.export too); torch.compile of the same code is rewritten"))
 @pytest.mark.parametrize("pad", [pad_onehot_where, pad_gather_mask_cast], ids=["onehot_where", "mask_cast"])
 def test_noop_cast_in_pad_exported(pad):
-    """Export path at the production size: a pad with a no-op ``.to(x.dtype)`` inside."""
+    """Export path at the production size: a pad with a no-op ``.to(x.dtype)`` inside (export keeps an
+    ``aten._assert_tensor_metadata`` on it, which the rewrite drops with the cast)."""
     fn = lambda q, k, v, o, N: attention(q, k, v, o, N, pad, unpad_gather)  # noqa: E731
     report, gm, _ = _rewrite_fake(fn, **PROD)
     assert report.counts["attention"] == 1, report.near_misses
