@@ -118,14 +118,14 @@ def test_fixed_sample(seed, mode):
         assert rec.reasons, "a near miss left alone must say why"
 
 
-def test_dynamic_output_shape_op_kept_in_graph(monkeypatch):
+def test_dynamic_output_shape_op_kept_in_graph():
     """The gap of seed 15 (``repeat_interleave`` without ``output_size``: a graph break between the
     pads and the products) is rewritten, equal to eager, once Dynamo keeps such ops in the graph,
     which is what explain()'s hint for that break says to do."""
     from hstu_inductor.graph_breaks import hint_for
 
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
-    rec = run(15, "compile_static")
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):  # (monkeypatch would delete it)
+        rec = run(15, "compile_static")
     assert rec.outcome == "rewritten" and rec.numeric_ok, (rec.outcome, rec.reasons, rec.numeric_err)
     assert "capture_dynamic_output_shape_ops" in hint_for(
         "Dynamic shape operator - Operator `aten.repeat_interleave.Tensor`'s output shape depends on input Tensor data.")
