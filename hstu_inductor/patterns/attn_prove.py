@@ -285,12 +285,11 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         if s_at is None:
             s_at = lay.gather(reference_pad(scale_probe, off, Np), (((Bp, "b", 1),), ((Np, "i", 1),)),
                               crd).expand(X.shape)
-        if chosen is None:
-            alpha, c0, params = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
-                                     plan.num_targets is not None)
-            chosen = alpha, c0, constant_params(params, ksyms, binding)
-        alpha, c0, params = chosen
-        params = tuple(concrete(x, binding) if isinstance(x, sympy.Expr) else x for x in params)
+        if chosen is None:  # every parameter set that fits probe 0; the later probes tell them apart
+            alpha, c0, fits = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
+                                   plan.num_targets is not None)
+            chosen = alpha, c0, [constant_params(f, ksyms, binding) for f in fits]
+        alpha, c0, fits = chosen
         if sym_n:  # the constant may scale with N (1/N): fitted per probe, its N-law checked below
             try:
                 _, c0 = fit_alpha(X, S_at, s_at, (X != 0) & in_seq, [alpha])
@@ -298,9 +297,14 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                 raise Decline(f"scores at N={Np} are not c * silu(alpha * qk) with the alpha={alpha:g} found at "
                               f"N={probes[0][0]} (alpha depends on N?)") from None
             consts.append((Np, c0, binding))
-        mref = reference_mask(lens, Np, targets, params)[bb, ii, jj].expand(X.shape)
-        expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
-        if not close(torch.where(in_seq, X, 0.0), torch.where(in_seq, expect, 0.0)):
+        def holds(params):
+            params = tuple(concrete(x, binding) if isinstance(x, sympy.Expr) else x for x in params)
+            mref = reference_mask(lens, Np, targets, params)[bb, ii, jj].expand(X.shape)
+            expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
+            return close(torch.where(in_seq, X, 0.0), torch.where(in_seq, expect, 0.0))
+
+        fits[:] = [f for f in fits if holds(f)]
+        if not fits:
             raise Decline(f"scores differ from mask * scale * silu(alpha * qk) on probe {p} (lengths {lengths})")
         if plan.dense and bool(((X != 0) & (ii >= n_b) & (jj < n_b)).any()):
             raise Decline(f"attention output is used padded (no unpad) but its padding rows are not zero "
@@ -330,7 +334,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                     raise
                 post_ok = list(post).index(m.node)  # leave it (and what follows) to the user
 
-    alpha, c0, params = chosen
+    alpha, c0, (params, *_) = chosen
     plan.alpha = float(alpha * q.factor * k.factor)
     plan.params = params
     kept = [*pre.values(), *list(post.values())[:post_ok]]
@@ -438,26 +442,26 @@ def sample_in_sequence(X, in_seq, *coords, limit=200000):
 
 
 def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, N, alphas, mask_ints, has_targets):
-    """Find (alpha, c0, mask params) with X == mask * c0 * s * silu(alpha S) on in-sequence positions."""
+    """``(alpha, c0, [mask params, ...])`` with X == mask * c0 * s * silu(alpha S) on in-sequence
+    positions: every candidate parameter set that fits this probe, in candidate order."""
     obs = (X != 0) & in_seq
     # mask parameters: cheap filter on a sample, then the full reference mask
     flat_idx, (b_s, i_s, j_s) = sample_in_sequence(X, in_seq, bb, ii, jj)
     o_s = obs.reshape(-1)[flat_idx]
-    params = None
+    fits = []
     for cand in mask_candidates(mask_ints, N, has_targets):
         causal, w, c, f = cand
         if torch.equal(valid_at(b_s, i_s, j_s, lens, targets, w, c, f, causal), o_s):
             full = reference_mask(lens, N, targets, cand)[bb, ii, jj].expand(X.shape)
             if torch.equal(full & in_seq, obs):
-                params = cand
-                break
-    if params is None:
+                fits.append(cand)
+    if not fits:
         causal_like = bool((obs & (jj > ii).expand(X.shape)).any())
         what = "has entries above the diagonal (not causal)" if causal_like else "matches no HSTU mask"
         raise Decline(f"attention mask {what} for any (max_attn_len, contextual_seq_len, "
                       f"min_full_attn_seq_len) taken from the graph's constants")
     a, c0 = fit_alpha(X, S_at, s_at, obs, alphas)
-    return a, c0, params
+    return a, c0, fits
 
 
 def fit_alpha(X, S_at, s_at, sel, alphas):

@@ -95,6 +95,7 @@ SAMPLE = [
     (34, "fake_static"),  # a gather unpad with its index expanded over the features, at B=128, N=4096
     (4, "compile_static"),  # x.new_empty(shape).zero_() as the zero buffer of a masked_scatter pad
     (8, "fake_auto"),  # Dim.AUTO batch: B read as a size of offsets, not a graph input
+    (2032, "compile_static"),  # window + targets: two mask parameter sets fit probe 0, later probes decide
     _gap(15, "compile_static", "bmm_1: operand arg0_1 (placeholder) is not produced by a recognised pad  "
          "[repeat_interleave without output_size: a graph break between the pads and the products]"),
 ]
