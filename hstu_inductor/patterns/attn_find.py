@@ -268,10 +268,10 @@ def source_candidates(D) -> list:
             and not (meta_val(x).dim() == len(dshape) and all(map(lay.eq, meta_val(x).shape, dshape)))]
 
 
-def pad_source(D, skip: int = 0) -> torch.fx.Node:
+def pad_source(D, skip: int = 0, cands=None) -> torch.fx.Node:
     """The jagged tensor that the pad subgraph ending at ``D`` reads: its ``skip``-th source
-    candidate (:func:`source_candidates`)."""
-    cands = source_candidates(D)
+    candidate (``cands``, default :func:`source_candidates`)."""
+    cands = source_candidates(D) if cands is None else cands
     if not cands:
         raise Decline(f"operand {D.name} ({op_name(D)}) is not computed from a single float tensor of the graph: "
                       f"expected one jagged source")
@@ -409,8 +409,9 @@ class Sources:
         self.count: dict = {}  # pad -> how many it has (the pads this attempt read)
 
     def pick(self, D) -> torch.fx.Node:
-        self.count[D] = len(source_candidates(D))
-        return pad_source(D, self.skip.get(D, 0))
+        cands = source_candidates(D)
+        self.count[D] = len(cands)
+        return pad_source(D, self.skip.get(D, 0), cands)
 
     def advance(self, Ds) -> bool:
         """Move ``Ds`` to their next candidates; False when none has one left."""

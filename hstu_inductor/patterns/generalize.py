@@ -220,7 +220,6 @@ class _Generaliser:
 
     # -- placeholders -------------------------------------------------------------------------
     def placeholders(self):
-        from .prover import sym_expr
 
         phs = list(self.gm.graph.find_nodes(op="placeholder"))
         vals = [p.meta.get("val", p.meta.get("example_value")) for p in phs]
@@ -319,7 +318,6 @@ class _Generaliser:
     def _note_features(self, val):
         if not isinstance(val, torch.Tensor) or val.dim() < 2:
             return
-        from .prover import sym_expr
 
         rest = val.shape[1:]
         if sym_expr(val.shape[0]).is_Integer or not all(sym_expr(s).is_Integer for s in rest):
@@ -453,7 +451,6 @@ class _Generaliser:
     def view_options(self, in_shape, sizes):
         """Generalised ``view`` sizes: groups of input dims and output sizes with equal products
         (on the hints); each group's symbolic factors are placed on its output sizes."""
-        from .prover import sym_expr
 
         in_exprs = [sympy.sympify(sym_expr(s)) for s in in_shape]
         if -1 in sizes or any(not _is_int(s) for s in sizes):
@@ -685,7 +682,6 @@ def _padded_like(x, pad, value=0):
 
 
 def _sx(s):
-    from .prover import sym_expr
 
     return sympy.sympify(sym_expr(s))
 
