@@ -7,7 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 __all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "aot_eager", "mode_options", "guarded", "plain_eager",
            "njt_view_target", "is_njt", "size_hint", "shape_env_hints", "specialize_ints", "install_ddp_pre_split",
            "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "unwrap_backend", "promoted_float_inputs",
-           "compile_reason", "capture_graph_break_logs"]
+           "compile_reason", "capture_graph_break_logs", "install_frame_config"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -325,3 +325,54 @@ def capture_graph_break_logs(sink):
                 lg.propagate = propagate
 
     return _ctx()
+
+
+# --------------------------------------------------------------------------------------------
+# Dynamo config for the frames our backend compiles. A backend is called after tracing, so it
+# cannot set an option that decides how a frame is traced (``capture_dynamic_output_shape_ops``:
+# without it a data-dependent-shape op such as ``repeat_interleave`` without ``output_size`` breaks
+# the graph, and inside a generator or loop Dynamo even runs the whole frame eagerly). Dynamo's
+# compile callbacks (``torch._dynamo.callback_handler``, torch >= 2.4) run around each outermost
+# frame compile; the start callback finds the compile's backend in the caller frame of
+# ``convert_frame._compile`` (its ``compiler_fn`` argument, unchanged through 2.13) and patches the
+# config for that compile only. Any missing piece: nothing is patched (Dynamo's default stays).
+# --------------------------------------------------------------------------------------------
+
+def _compiling_backend():
+    import sys
+
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "_compile" and f.f_globals.get("__name__") == "torch._dynamo.convert_frame":
+            return f.f_locals.get("compiler_fn")
+        f = f.f_back
+    return None
+
+
+def install_frame_config(wants, patches_for) -> str | None:
+    """Around every outermost Dynamo frame compile whose backend ``b`` (unwrapped) has
+    ``wants(b)``, set ``torch._dynamo.config`` to ``patches_for()`` (a dict, read per compile) and
+    restore it afterwards. Idempotent per ``wants``. Returns None, or why it is not installed."""
+    from torch._dynamo import callback_handler
+
+    if not hasattr(callback_handler, "register_start_callback"):
+        return "this torch has no Dynamo compile callbacks"
+    if any(getattr(cb, "_hstu_wants", None) is wants for cb in callback_handler.start_callbacks):
+        return None
+    cfg, saved = torch._dynamo.config, []
+
+    def start(_args):
+        backend = _compiling_backend()
+        patches = patches_for() if backend is not None and wants(unwrap_backend(backend)[0]) else {}
+        saved.append({k: getattr(cfg, k) for k in patches})
+        for k, v in patches.items():
+            setattr(cfg, k, v)
+
+    def end(_args):
+        for k, v in (saved.pop() if saved else {}).items():
+            setattr(cfg, k, v)
+
+    start._hstu_wants = wants
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+    return None

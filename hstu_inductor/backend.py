@@ -61,6 +61,7 @@ def _compile(gm: torch.fx.GraphModule, compile_rewritten):
     from . import graph_breaks
     from .report import staged
 
+    _install_frame_config()  # again: torch._dynamo.reset() drops Dynamo's compile callbacks
     with staged() as stage:
         rewritten = _rewritten(gm)
         if not getattr(_state, "ddp_pieces", False):  # a DDP piece: recorded whole, before the split
@@ -165,6 +166,27 @@ class _Chain(torch._inductor.custom_graph_pass.CustomGraphPass):
         return None if first is None else repr((first, self.second.uuid()))
 
 
+def _is_ours(backend) -> bool:
+    return backend in (hstu_backend, hstu_eager_backend)
+
+
+def _frame_config() -> dict:
+    """Dynamo options set while a frame is traced for our backend (``_compat.install_frame_config``):
+    keep data-dependent-shape ops in the graph (``config.capture_dynamic_shape_ops``), so the row
+    index of a pad (``repeat_interleave`` without ``output_size``) does not split the attention."""
+    return {"capture_dynamic_output_shape_ops": True} if config.capture_dynamic_shape_ops else {}
+
+
+def _install_frame_config() -> None:
+    """Install :func:`_frame_config` for our frames (idempotent). At import, and on every backend call:
+    ``torch._dynamo.reset()`` clears Dynamo's compile callbacks, so after a reset the first frame
+    is traced with Dynamo's defaults and the frames after it with ours."""
+    reason = _compat.install_frame_config(_is_ours, _frame_config)
+    if reason is not None and not getattr(_state, "frame_config_logged", False):
+        _state.frame_config_logged = True
+        log.info("hstu_inductor: Dynamo config for our frames not applied (%s)", reason)
+
+
 def register() -> None:
     """Register ``"hstu"`` with Dynamo (idempotent; the entry point does this for installed copies)."""
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
@@ -173,6 +195,7 @@ def register() -> None:
         register_backend(hstu_backend, name="hstu")
     if "hstu_eager" not in _BACKENDS:
         register_backend(hstu_eager_backend, name="hstu_eager")
+    _install_frame_config()
     reason = _compat.install_ddp_pre_split(_rewrite_before_ddp_split)
     if reason is not None:
         log.info("hstu_inductor: DDP graph splits not handled (%s); see docs/distributed.md", reason)

@@ -45,6 +45,14 @@ specialize_features: bool = os.environ.get("HSTU_INDUCTOR_SPECIALIZE_FEATURES", 
 #: invalid inputs are unspecified). See docs/inputs.md.
 check_inputs: str = os.environ.get("HSTU_INDUCTOR_CHECK_INPUTS", "auto")
 
+#: A data-dependent-shape op (``repeat_interleave`` without ``output_size``, ``nonzero``, ...) makes
+#: Dynamo break the graph unless ``torch._dynamo.config.capture_dynamic_output_shape_ops`` is set,
+#: which splits an HSTU subgraph whose row index it computes (inside a generator or a loop, Dynamo then
+#: runs the whole frame eagerly). True: frames compiled for our backend are traced with that option
+#: on (only they: other backends' compiles are untouched), so the op stays in the graph with an
+#: unbacked size. False: Dynamo's default (the break; ``explain()`` reports it).
+capture_dynamic_shape_ops: bool = os.environ.get("HSTU_INDUCTOR_CAPTURE_DYNAMIC_SHAPE_OPS", "1") == "1"
+
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"
 

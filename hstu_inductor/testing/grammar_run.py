@@ -140,6 +140,7 @@ def _compiled_run(s: Sample, mode: str, rec: Record, grads: bool, B, N, H, D):
             ref = _tuple(reference_output(s, model, inputs))
         rec.ref_err = rel_err(eager[0], ref[0])
     torch._dynamo.reset()
+    backend.register()  # as in a fresh process: reset() dropped the Dynamo callbacks the import installed
     with collecting() as report:
         compiled = torch.compile(model, backend="hstu_eager", dynamic=mode == "compile_dynamic")
         got = _tuple(compiled(*inputs))
