@@ -220,7 +220,8 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     rng = random.Random(99)
     gen = torch.Generator().manual_seed(4321)
     alphas = sorted({1.0} | {c for c in floats if c != 0} | {1.0 / c for c in floats if c != 0})
-    mask_ints = {i for i in ints if 0 < i <= max(Nv for Nv, _ in probes) + 1}
+    # absolute values: a window spelled ``ones.tril().triu(-w)`` carries it as the diagonal -w
+    mask_ints = {abs(i) for i in ints if 0 < abs(i) <= max(Nv for Nv, _ in probes) + 1}
     mask_ints |= {_const_value(i, 0) + d for i in range(len(ksyms)) for d in range(3)}  # values at probe 0
     chosen = None
     consts = []  # symbolic N: (N, fitted score constant, binding) per probe

@@ -6,6 +6,9 @@ Modes (``MODES``):
   with ``torch.export`` under ``FakeTensorMode`` with static shapes and rewritten; nothing is
   allocated and nothing runs, so there is no numeric result.
 - ``fake_auto``: the same with ``torch.export.Dim.AUTO`` on the jagged rows and the batch dims.
+  ``torch.export`` refuses nested tensors, so in both fake modes the samples that build them are
+  compiled instead (``torch.compile(backend="hstu_eager")`` called on the fake inputs, static or
+  with ``maybe_mark_dynamic`` on the same dims); ``Record.path`` says which.
 - ``compile_static`` / ``compile_dynamic``: ``B=4, N=16, H=2, D=8`` with lengths ``[N, 0, 1, r]``,
   ``torch.compile(model, backend="hstu_eager", dynamic=False / True)`` after
   ``torch._dynamo.reset()``; outputs (and, with ``grads=True``, gradients of the float inputs and
@@ -59,6 +62,7 @@ class Record:
     seconds: float = 0.0
     graphs: int = 0
     error: str | None = None
+    path: str = ""  # fake modes: "export", or "compile" for models torch.export refuses (nested tensors)
     traceback: str | None = None
 
     def as_dict(self) -> dict:
@@ -107,16 +111,41 @@ def _dynamic_shapes(s: Sample, inputs):
 def _fake(s: Sample, mode: str, rec: Record):
     m = MODES[mode]
     B, N, H, D = m["B"], m["N"], m["H"], m["D"]
-    with FakeTensorMode():
+    with FakeTensorMode() as fake_mode:
         torch.manual_seed(s.seed)
         model = s.build(N, H, D)
         inputs = s.inputs(B, N, H, D, lengths=_lengths(B, N, s.seed, L=B * N - 3 * N // 2), seed=s.seed)
+    if _uses_nested(s):
+        rec.path = "compile"
+        return _fake_compiled(model, inputs, mode, fake_mode)
+    rec.path = "export"
+    with fake_mode:
         shapes = _dynamic_shapes(s, inputs) if mode == "fake_auto" else None
         ep = torch.export.export(model, inputs, dynamic_shapes=shapes)
     vals = [n.meta["val"] for n in ep.graph_module.graph.find_nodes(op="placeholder")]
     with collecting() as report, torch._guards.detect_fake_mode(vals):
         gm = _compat.trace_aten(ep.graph_module, vals)
         run_rewriters(gm)
+    return report
+
+
+def _uses_nested(s: Sample) -> bool:
+    return "nested" in s.choices.values()
+
+
+def _fake_compiled(model, inputs, mode: str, fake_mode):
+    """``torch.export`` refuses nested tensors (``nested_tensor_from_jagged`` under its tracer), so
+    models that build them are measured the way their users run them: ``torch.compile`` (backend
+    ``hstu_eager``), called on the fake inputs inside their fake mode; ``fake_auto`` marks the
+    batch/row dims dynamic (``maybe_mark_dynamic``, as ``Dim.AUTO``)."""
+    torch._dynamo.reset()
+    backend.register()
+    if mode == "fake_auto":
+        for t in inputs:
+            if t.dim():
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+    with collecting() as report, fake_mode, torch.no_grad():
+        torch.compile(model, backend="hstu_eager", dynamic=False if mode == "fake_static" else None)(*inputs)
     return report
 
 
