@@ -295,7 +295,13 @@ class _Generaliser:
             ph.meta["val"] = val
             self.sym_nodes[val.node.expr] = ph
             self.named_atoms.append((val.node.expr, n, "N"))
+        lo = 2 if self.use_consts is True else int(self.use_consts)  # an int: clusters from it up only
+        # a literal that is a size (N - 1, L - 1, B * N: an index clamp) is index arithmetic, not a constant
+        sizes_of = {n + d for n in sz.Ns for d in (-1, 0, 1)} | {n * sz.B for n in sz.Ns if sz.B}
+        sizes_of |= {sz.L + d for d in (-1, 0, 1)} if sz.L else set()
         for base, members in _clusters(_mask_ints(self.gm)) if self.use_consts else ():
+            if min(members) < lo or set(members) & sizes_of:
+                continue
             ph = self.graph.placeholder(f"{CONST_PREFIX}{base}")
             val = self._symint(base, f"{CONST_PREFIX}{base}")
             ph.meta["val"] = val
@@ -437,6 +443,8 @@ class _Generaliser:
         """Index arithmetic: exact N, N-1, N+1, B*N, L values (the literal last)."""
         if not self.arith:
             return [sympy.Integer(c)]
+        if c < 0:  # ``B * N`` rows spelled ``N * (B + 1) + (-N)``: the negated options
+            return [-e for e in self.arith_options(-c)[:-1]] + [sympy.Integer(c)]
         opts = []
         for expr, h, kind in self.named_atoms:
             offs = (0, -1, 1) if kind in ("N", "L") else ()  # B alone is no index term
@@ -582,7 +590,9 @@ class _Generaliser:
             kwargs.pop("diagonal", None)
         elif name in _ARITH:
             for i, a in enumerate(args):
-                if _is_int(a) and (i > 0 or name == "scalar_tensor"):
+                # SymInt arithmetic (``operator.mul(4096, B)``: a buffer of B * N rows) takes a
+                # literal in any position; an ATen op's first argument is its tensor
+                if _is_int(a) and (i > 0 or name == "scalar_tensor" or _is_sym_arith(node)):
                     args[i] = self._arith(key, i, a, node)
             for k, a in kwargs.items():  # clamp(min=..., max=...)
                 if _is_int(a) and k in ("min", "max", "other"):
@@ -775,10 +785,20 @@ def _generalised(gm, e, leaves, prove, rewrite):
     sizes = dataclasses.replace(e.sizes, descriptor=env[plan.offsets].name if plan.offsets in env else None)
     first = None
     # literals as symbols first; then mask constants kept (a literal the mask does not use as one
-    # of HSTU's constants, e.g. a contextual prefix of 2 whose c - 1 = 1 stays a literal); then
+    # of HSTU's constants, e.g. a contextual prefix of 2 whose c - 1 = 1 stays a literal; first
+    # only the constants of 2 kept, so that a large window still becomes a symbol); then
     # index-arithmetic literals that only equal N by accident kept; then both
-    for arith, consts in ((True, True), (True, False), (False, True), (False, False)):
-        gen, g = generalise(sub, sizes, arith, consts)
+    levels = [(True, True), (True, False), (False, True), (False, False)]
+    if 2 in _mask_ints(sub):  # a contextual prefix of 2 (its c - 1 = 1 is no constant): the others alone
+        levels.insert(1, (True, 3))
+    for arith, consts in levels:
+        try:
+            gen, g = generalise(sub, sizes, arith, consts)
+        except GeneralizeError:
+            if first is None:
+                raise
+            raise first from None  # a later level that does not even generalise: the proof's reason
+        log.debug("hstu_inductor: generalised at level arith=%s consts=%s", arith, consts)
         gen.recompile()
         extra = list(g.const_bases)
         back = _specialise(gen, vals, sizes, fake_mode, extra)
@@ -791,6 +811,7 @@ def _generalised(gm, e, leaves, prove, rewrite):
                 gen_plan = prove(gen, S, pv)
             break
         except Decline as d:
+            log.debug("hstu_inductor: generalised proof at arith=%s consts=%s declined: %s", arith, consts, d)
             first = first or d
             if not any(x.key[1] == "arith" for x in g.decisions):
                 raise first from None
