@@ -75,7 +75,7 @@ def snapshot() -> dict:
     """The current options, e.g. for cache keys and reports."""
     return {"tma": tma, "patterns": dict(patterns), "kernels": kernels, "deterministic": deterministic,
             "block_backward": block_backward, "check_inputs": check_inputs, "strict": strict,
-            "specialize_features": specialize_features}
+            "specialize_features": specialize_features, "capture_dynamic_shape_ops": capture_dynamic_shape_ops}
 
 
 @contextlib.contextmanager

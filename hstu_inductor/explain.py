@@ -21,12 +21,13 @@ def explain(model_or_fn, *args, dynamic=None, backend: str = "hstu", **kwargs) -
     has no ``lowered`` lines, which describe Inductor's code.
     """
     from . import graph_breaks
-    from .backend import hstu_backend, hstu_eager_backend
+    from .backend import hstu_backend, hstu_eager_backend, register
 
     backends = {"hstu": hstu_backend, "hstu_eager": hstu_eager_backend}
     if backend not in backends:
         raise ValueError(f"explain(backend=...) must be one of {sorted(backends)}, got {backend!r}")
     torch._dynamo.reset()
+    register()  # reset() dropped the Dynamo compile callbacks our frames' config needs
     compiled = torch.compile(model_or_fn, backend=backends[backend], dynamic=dynamic)
     with collecting() as report, graph_breaks.collect(report):
         report.output = compiled(*args, **kwargs)

@@ -10,5 +10,6 @@ import hstu_inductor.patterns.attention  # noqa: F401  (registers the attention 
 def fresh_dynamo():
     """Reset Dynamo's caches around a test (attention tests use it explicitly)."""
     torch._dynamo.reset()
+    hstu_inductor.backend.register()  # reset() drops the Dynamo compile callbacks it installs
     yield
     torch._dynamo.reset()
