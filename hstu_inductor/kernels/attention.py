@@ -183,7 +183,9 @@ def _bias_grad(ds, bk, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexp
     MAXN = RB[7]
     g = ds.to(tl.float32) * gsc
     if RAB_GRAD != 0:
-        ptrs = DRAB_b + offs_m[None, :].to(tl.int64) * stride_gi + offs_n[:, None].to(tl.int64) * stride_gj
+        # 32-bit offsets from the (b, h) base (the buffer is ours, N^2 < 2^31): 64-bit per-element pointers
+        # cost ~2 registers per element of the tile (spills measured offline, sm90)
+        ptrs = DRAB_b + (offs_m[None, :] * stride_gi + offs_n[:, None] * stride_gj)
         inside = (offs_m[None, :] < n) & (offs_n[:, None] < n)
         if RAB_GRAD == 1:
             tl.store(ptrs, g.to(DRAB_b.dtype.element_ty), mask=inside)
@@ -573,13 +575,19 @@ def _hstu_fwd_kernel(
         # from shared memory (with Q in shared memory, BLOCK_N <= 64 tiles are shared-memory bound).
         q = (q.to(tl.float32) * one).to(q.dtype)
 
-    RAB_b = RAB
-    TS_b = TS
+    # bias operands as one tuple; 0 stands for an absent (None) pointer (a tuple cannot hold None)
+    RAB_b = 0
+    TS_b = 0
+    POS_t = 0
+    TSW_t = 0
     if HAS_RAB:
         RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
+    if HAS_POS:
+        POS_t = POSW
     if HAS_TS:
         TS_b = TS + start
-    RB = (RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAX_N)
+        TSW_t = TSW
+    RB = (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_IV:  # intervals replace the HSTU mask: every visited tile is masked, invisible tiles skipped
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
@@ -784,19 +792,25 @@ def _hstu_bwd_dkdv_kernel(
     v = _load_rows(v_src, n0, n, DV, stride_vm, stride_vd, True, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
     DQ_dst = _rows(dq_base, n, DQ, stride_dqm, BLOCK_M, BLOCK_DQ, DQ_MODE == 2)  # TMA reduce-add target
 
-    RAB_b = RAB
-    DRAB_b = DRAB
+    # bias operands as tuples; 0 stands for an absent (None) pointer (a tuple cannot hold None)
+    RAB_b = 0
+    DRAB_b = 0
     IV_h = IV
-    TS_b = TS
-    DPOS_s = DPOS
-    DTS_s = DTS
+    TS_b = 0
+    POS_t = 0
+    TSW_t = 0
+    DPOS_s = 0
+    DTS_s = 0
     gsc = 1.0
     if HAS_RAB:
         RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
     if RAB_GRAD != 0:
         DRAB_b = DRAB + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+    if HAS_POS:
+        POS_t = POSW
     if HAS_TS:
         TS_b = TS + start
+        TSW_t = TSW
     if TAB_GRAD:  # TAB_COPIES copies of the table gradients spread the atomics (summed on the host)
         slot = tl.program_id(0) % TAB_COPIES
         if HAS_POS:
@@ -810,7 +824,7 @@ def _hstu_bwd_dkdv_kernel(
             gsc = tl.load(ATTN_SCALE).to(tl.float32)
     if HAS_IV:
         IV_h = IV + h.to(tl.int64) * stride_ih + start * stride_ir
-    RB = (RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAX_N)
+    RB = (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N)
     GB = (DRAB_b, stride_gi, stride_gj, DPOS_s, DTS_s, gsc)
     dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -940,13 +954,19 @@ def _hstu_bwd_dq_kernel(
         if SCALE_MODE != 2:
             do = (do.to(tl.float32) * one).to(q.dtype)
 
-    RAB_b = RAB
-    TS_b = TS
+    # bias operands as one tuple; 0 stands for an absent (None) pointer (a tuple cannot hold None)
+    RAB_b = 0
+    TS_b = 0
+    POS_t = 0
+    TSW_t = 0
     if HAS_RAB:
         RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
+    if HAS_POS:
+        POS_t = POSW
     if HAS_TS:
         TS_b = TS + start
-    RB = (RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAX_N)
+        TSW_t = TSW
+    RB = (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N)
     dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32)
     if HAS_IV:  # as in the forward kernel
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
@@ -1447,6 +1467,8 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
             scratch = drab = torch.zeros((B, H, max_seq_len, max_seq_len), device=q.device, dtype=q.dtype)
         g_strides = (drab.stride(0) if drab.shape[0] > 1 else 0, drab.stride(1) if drab.shape[1] > 1 else 0,
                      drab.stride(2), drab.stride(3))
+        if _compat.size_hint(max_seq_len) > 46340:
+            raise ValueError("hstu attention: rab gradients need max_seq_len <= 46340 (32-bit offsets)")
     # table gradients: fp32 [copies, table] buffers reduced in the kernel, the copies summed here
     copies = 1 if _interpret() else 32
     dpos = torch.zeros((copies, 2 * max_seq_len - 1), device=q.device, dtype=torch.float32) \
