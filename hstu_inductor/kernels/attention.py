@@ -133,6 +133,25 @@ def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
 
 
 @triton.jit
+def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+                   HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+    """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
+    (None) pointer (a tuple cannot hold None)."""
+    RAB_b = 0
+    TS_b = 0
+    POS_t = 0
+    TSW_t = 0
+    if HAS_RAB:
+        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
+    if HAS_POS:
+        POS_t = POSW
+    if HAS_TS:
+        TS_b = TS + start
+        TSW_t = TSW
+    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N)
+
+
+@triton.jit
 def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
     """(bias, bucket) on a tile, fp32, zero outside the sequence: the dense rab plus the table bias
     ``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]`` (docs/semantics.md). ``rows`` (i) and ``cols``
@@ -575,19 +594,8 @@ def _hstu_fwd_kernel(
         # from shared memory (with Q in shared memory, BLOCK_N <= 64 tiles are shared-memory bound).
         q = (q.to(tl.float32) * one).to(q.dtype)
 
-    # bias operands as one tuple; 0 stands for an absent (None) pointer (a tuple cannot hold None)
-    RAB_b = 0
-    TS_b = 0
-    POS_t = 0
-    TSW_t = 0
-    if HAS_RAB:
-        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
-    if HAS_POS:
-        POS_t = POSW
-    if HAS_TS:
-        TS_b = TS + start
-        TSW_t = TSW
-    RB = (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N)
+    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+                        HAS_RAB, HAS_POS, HAS_TS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_IV:  # intervals replace the HSTU mask: every visited tile is masked, invisible tiles skipped
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
@@ -712,7 +720,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stri
                     EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                     HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr,
-                   HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr):
+                    HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         if HAS_IV:
@@ -725,7 +733,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stri
                                         stride_dom, stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M,
                                         c, w, f, alpha, DQ, DV, RB, GB, x0, x1, x2, MASKED, CAUSAL, HAS_CTX, HAS_TGT,
                                         HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
-                                        EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD)
+                                        EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS,
+                                        HAS_TS, TAB_GRAD)
         else:
             dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
                                     stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha,
@@ -792,25 +801,14 @@ def _hstu_bwd_dkdv_kernel(
     v = _load_rows(v_src, n0, n, DV, stride_vm, stride_vd, True, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
     DQ_dst = _rows(dq_base, n, DQ, stride_dqm, BLOCK_M, BLOCK_DQ, DQ_MODE == 2)  # TMA reduce-add target
 
-    # bias operands as tuples; 0 stands for an absent (None) pointer (a tuple cannot hold None)
-    RAB_b = 0
+    # gradient operands as a tuple; 0 stands for an absent (None) pointer (a tuple cannot hold None)
     DRAB_b = 0
     IV_h = IV
-    TS_b = 0
-    POS_t = 0
-    TSW_t = 0
     DPOS_s = 0
     DTS_s = 0
     gsc = 1.0
-    if HAS_RAB:
-        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
     if RAB_GRAD != 0:
         DRAB_b = DRAB + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
-    if HAS_POS:
-        POS_t = POSW
-    if HAS_TS:
-        TS_b = TS + start
-        TSW_t = TSW
     if TAB_GRAD:  # TAB_COPIES copies of the table gradients spread the atomics (summed on the host)
         slot = tl.program_id(0) % TAB_COPIES
         if HAS_POS:
@@ -824,7 +822,8 @@ def _hstu_bwd_dkdv_kernel(
             gsc = tl.load(ATTN_SCALE).to(tl.float32)
     if HAS_IV:
         IV_h = IV + h.to(tl.int64) * stride_ih + start * stride_ir
-    RB = (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N)
+    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+                        HAS_RAB, HAS_POS, HAS_TS)
     GB = (DRAB_b, stride_gi, stride_gj, DPOS_s, DTS_s, gsc)
     dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -880,7 +879,7 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
                   PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr,
-               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+                  HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -954,19 +953,8 @@ def _hstu_bwd_dq_kernel(
         if SCALE_MODE != 2:
             do = (do.to(tl.float32) * one).to(q.dtype)
 
-    # bias operands as one tuple; 0 stands for an absent (None) pointer (a tuple cannot hold None)
-    RAB_b = 0
-    TS_b = 0
-    POS_t = 0
-    TSW_t = 0
-    if HAS_RAB:
-        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
-    if HAS_POS:
-        POS_t = POSW
-    if HAS_TS:
-        TS_b = TS + start
-        TSW_t = TSW
-    RB = (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N)
+    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+                        HAS_RAB, HAS_POS, HAS_TS)
     dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32)
     if HAS_IV:  # as in the forward kernel
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,

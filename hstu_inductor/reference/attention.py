@@ -117,7 +117,8 @@ def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Ten
         require(pos_w.dim() == 1 and pos_w.shape[0] == 2 * max_seq_len - 1,
                 lambda: f"pos_w must be [2N - 1] = [{2 * max_seq_len - 1}], got {tuple(pos_w.shape)}")
     if ts_w is not None:
-        require(ts_w.dim() == 1 and ts_w.shape[0] >= 1, lambda: f"ts_w must be [num_buckets + 1], got {tuple(ts_w.shape)}")
+        require(ts_w.dim() == 1 and ts_w.shape[0] >= 1,
+                lambda: f"ts_w must be [num_buckets + 1], got {tuple(ts_w.shape)}")
         require(timestamps.dim() == 1 and timestamps.shape[0] == L,
                 lambda: f"timestamps must be [L] = [{L}], got {tuple(timestamps.shape)}")
         require(timestamps.dtype in (torch.int32, torch.int64, torch.float32, torch.float64),

@@ -97,6 +97,21 @@ def _check(q, k, v, dout, off, n, alpha, *, rab=None, intervals=None, tma=False,
 # CPU (interpreter)
 # ------------------------------------------------------------------------------------------
 
+def _mask_kwargs(opts, rows, seed):
+    """Kernel keywords from a case's mask options: tensors for num_targets, attn_scale ("scalar" / "rows")
+    and intervals (True: random per head and row)."""
+    kw = dict(opts)
+    if "num_targets" in kw:
+        kw["num_targets"] = torch.tensor(kw["num_targets"], device=DEV)
+    if kw.get("attn_scale") == "scalar":
+        kw["attn_scale"] = torch.tensor(0.21, device=DEV)
+    elif kw.get("attn_scale") == "rows":
+        kw["attn_scale"] = torch.rand(rows, device=DEV) + 0.2
+    if kw.pop("intervals", False):
+        kw["intervals"] = _random_intervals(LENGTHS, 2, seed=seed)
+    return kw
+
+
 RAB_CASES = {  # rab broadcast shape, mask options, tma, backward algorithm
     "BH_ctx_targets": ((4, 2), dict(contextual_seq_len=3, num_targets=[2, 0, 1, 3]), True, "split"),
     "1H_window_minfull": ((1, 2), dict(max_attn_len=5, min_full_attn_seq_len=4), False, "atomic"),
@@ -111,13 +126,7 @@ def test_rab_fwd_bwd(case, poison, monkeypatch):
     shape, opts, tma, algo = RAB_CASES[case]
     monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
     q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=hash(case) % 997)
-    kw = dict(opts)
-    if "num_targets" in kw:
-        kw["num_targets"] = torch.tensor(kw["num_targets"], device=DEV)
-    if kw.get("attn_scale") == "scalar":
-        kw["attn_scale"] = torch.tensor(0.21, device=DEV)
-    elif kw.get("attn_scale") == "rows":
-        kw["attn_scale"] = torch.rand(q.shape[0], device=DEV) + 0.2
+    kw = _mask_kwargs(opts, q.shape[0], seed=0)
     rab = _rab(shape, N, 2, torch.float32, seed=len(case))
     _check(q, k, v, dout, off, N, 0.25, rab=rab, tma=tma, deterministic=algo == "split", **kw)
 
@@ -207,15 +216,7 @@ def test_table_bias_fwd_bwd(case, poison, monkeypatch):
     monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
     seed = sum(map(ord, case))
     q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=seed)
-    kw = dict(opts)
-    if "num_targets" in kw:
-        kw["num_targets"] = torch.tensor(kw["num_targets"], device=DEV)
-    if kw.get("attn_scale") == "scalar":
-        kw["attn_scale"] = torch.tensor(0.21, device=DEV)
-    elif kw.get("attn_scale") == "rows":
-        kw["attn_scale"] = torch.rand(q.shape[0], device=DEV) + 0.2
-    if kw.pop("intervals", False):
-        kw["intervals"] = _random_intervals(LENGTHS, 2, seed=seed)
+    kw = _mask_kwargs(opts, q.shape[0], seed=seed)
     rab = _rab(rab_shape, N, 2, torch.float32, seed=seed) if rab_shape else None
     tables = _tables(LENGTHS, N, 20, ts_dtype, which, seed=seed + 1)
     _check(q, k, v, dout, off, N, 0.25, rab=rab, tma=tma, deterministic=algo == "split", tables=tables, **kw)
