@@ -1,19 +1,28 @@
-"""Attention with a dense relative attention bias (rab), forward + backward, on the GPU.
+"""Attention with a relative attention bias (rab), forward + backward, on the GPU.
 
-    python benchmarks/rab_attention.py --n 1024 2048 --out OUTDIR
+    python benchmarks/rab_attention.py --n 1024 2048 4096 --out OUTDIR
 
-Providers, measured side by side in one process (B=128, H=4, D=128, bf16, lengths ~ U[0.9N, N],
+Providers, measured side by side in one process (B=128, H=4, D=128, bf16, lengths ~ U[0.9N, N),
 causal, alpha = 1/D):
 - ``hstu_no_rab``: ``torch.ops.hstu.attention`` without a bias (the baseline kernel);
-- ``hstu_rab_1h``: the op with a learned dense rab ``[1, H, N, N]`` (gradient summed over the batch);
-- ``hstu_rab_b1``: the op with a per-sequence rab ``[B, 1, N, N]`` (e.g. a time bias), gradient too;
+- ``hstu_rab_1h``: the op with a learned dense rab ``[1, H, N, N]`` (path a; gradient summed over the batch
+  in the kernel);
+- ``hstu_rab_b1``: the op with a per-sequence dense rab ``[B, 1, N, N]`` (path a), gradient too;
 - ``inductor_rab_1h``: stock Inductor (``torch.compile``) on the plain reference
-  ``reference.hstu_mha(..., rab=...)``, which materialises the ``[B, H, N, N]`` scores.
+  ``reference.hstu_mha(..., rab=...)``, which materialises the ``[B, H, N, N]`` scores;
+- the original HSTU's bias from timestamps and two tables (``pos_w [2N-1]``, ``ts_w [129]``, int64
+  timestamps with log-spread gaps), gradients to q, k, v and both tables:
+  - ``hstu_tables``: path (b), the bias computed in the kernels, table gradients reduced in-kernel;
+  - ``hstu_tables_dense``: path (a) on ``reference.relative_bias(...)`` (the ``[B, 1, N, N]`` bias
+    materialised by PyTorch each step, its gradient scattered into the tables by autograd);
+  - ``inductor_tables``: stock Inductor on the plain model (``relative_bias`` + ``hstu_mha``).
 
 For each: forward+backward time (``do_bench`` median), TFLOP/s with the FLOP count of
-HSTU_SEMANTICS.md (the bias adds no matrix FLOPs), and the peak memory of one forward+backward above
-what was allocated before it. Errors of the output and of ``d_rab`` against the fp32 reference on
-the same inputs are printed too. Writes ``rab_attention.csv`` under ``--out``.
+HSTU_SEMANTICS.md (the bias adds no matrix FLOPs), the peak memory of one forward+backward above
+what was allocated before it (``peak_mib``: what the step itself needs, e.g. N x N buffers) and the
+absolute ``torch.cuda.max_memory_allocated`` (``peak_total_mib``, inputs included). Errors of the output
+and of the bias gradient (``d_rab``, or ``d_pos_w`` / ``d_ts_w``) against the fp32 reference on the same
+inputs are printed for N <= 1024. Writes ``rab_attention.csv`` under ``--out``.
 """
 from __future__ import annotations
 
@@ -30,12 +39,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_csv  # noqa: E402
 
 log = logging.getLogger("rab_attention")
-PROVIDERS = ["hstu_no_rab", "hstu_rab_1h", "hstu_rab_b1", "inductor_rab_1h"]
+PROVIDERS = ["hstu_no_rab", "hstu_rab_1h", "hstu_rab_b1", "inductor_rab_1h", "hstu_tables", "hstu_tables_dense",
+             "inductor_tables"]
+NUM_BUCKETS = 128
 
 
 def rel(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+def _timestamps(lengths, g):
+    """int64 timestamps per sequence: increasing, gaps of 1 s .. 1e6 s spread on a log scale (the buckets
+    in use then range over ~0..46 of 128, like real event logs)."""
+    parts = [1.7e9 + (10 ** (torch.rand(int(n), generator=g, dtype=torch.float64) * 6)).floor().cumsum(0)
+             for n in lengths]
+    return torch.cat(parts).to(torch.int64)
 
 
 def main():
@@ -51,7 +70,7 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     import hstu_inductor  # noqa: F401  (registers torch.ops.hstu)
-    from hstu_inductor.reference import hstu_mha
+    from hstu_inductor.reference import hstu_mha, relative_bias
     from triton.testing import do_bench
 
     dev, dt = "cuda", torch.bfloat16
@@ -66,16 +85,32 @@ def main():
         L = int(lengths.sum())
         q, k, v = (torch.randn(L, H, D, generator=g).to(dev, dt).requires_grad_() for _ in range(3))
         do = torch.randn(L, H, D, generator=g).to(dev, dt)
+        ts = _timestamps(lengths.tolist(), g).to(dev)
+        pos_w = (0.5 * torch.randn(2 * N - 1, generator=g)).to(dev).requires_grad_()
+        ts_w = (0.5 * torch.randn(NUM_BUCKETS + 1, generator=g)).to(dev).requires_grad_()
         rabs = {"1h": (0.5 * torch.randn(1, H, N, N, generator=g)).to(dev, dt).requires_grad_(),
                 "b1": (0.5 * torch.randn(B, 1, N, N, generator=g)).to(dev, dt).requires_grad_()}
         flops = float(H * (lengths.double() ** 2).sum() * (D + D) + H * (lengths.double() ** 2).sum() * (3 * D + 2 * D))
         alpha = 1.0 / D
         ref_fn = torch.compile(lambda q, k, v, r: hstu_mha(N, alpha, q, k, v, off, rab=r))
+        ref_tab = torch.compile(lambda q, k, v, p, t: hstu_mha(N, alpha, q, k, v, off,
+                                                               rab=relative_bias(ts, off, N, p, t).to(dt)))
         for prov in args.providers:
-            rab = None if prov == "hstu_no_rab" else rabs[prov[-2:]]
-            ins = (q, k, v) + ((rab,) if rab is not None else ())
+            tables = "tables" in prov
+            rab = None if prov == "hstu_no_rab" or tables else rabs[prov[-2:]]
+            ins = (q, k, v) + ((rab,) if rab is not None else ()) + ((pos_w, ts_w) if tables else ())
 
-            if prov.startswith("inductor"):
+            if prov == "inductor_tables":
+                def fwd():
+                    return ref_tab(q, k, v, pos_w, ts_w)
+            elif prov == "hstu_tables_dense":  # path (a): the bias materialised by PyTorch, autograd to the tables
+                def fwd():
+                    return torch.ops.hstu.attention(q, k, v, off, N, alpha,
+                                                    rab=relative_bias(ts, off, N, pos_w, ts_w).to(dt))
+            elif prov == "hstu_tables":  # path (b)
+                def fwd():
+                    return torch.ops.hstu.attention(q, k, v, off, N, alpha, timestamps=ts, pos_w=pos_w, ts_w=ts_w)
+            elif prov.startswith("inductor"):
                 def fwd():
                     return ref_fn(q, k, v, rab)
             else:
@@ -87,31 +122,42 @@ def main():
 
             try:
                 step()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step()
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                peak_total = torch.cuda.max_memory_allocated() / 2 ** 20
+                ms = do_bench(step, rep=args.rep, return_mode="median")
             except torch.OutOfMemoryError:
-                rows.append(dict(N=N, provider=prov, ms="OOM", tflops="", peak_mib="", rel_err_out="", rel_err_drab=""))
-                log.info("N=%d %-16s out of memory", N, prov)
+                rows.append(dict(N=N, provider=prov, ms="OOM", tflops="", peak_mib="", peak_total_mib="",
+                                 rel_err_out="", rel_err_bias_grad=""))
+                log.info("N=%d %-18s out of memory", N, prov)
                 torch.cuda.empty_cache()
                 continue
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-            ms = do_bench(step, rep=args.rep)
-            err = drab_err = float("nan")
-            if rab is not None and N <= 1024:  # the fp32 eager reference holds several [B, H, N, N] tensors
+            err = grad_err = float("nan")
+            if prov != "hstu_no_rab" and N <= 1024:  # the fp32 eager reference holds several [B, H, N, N] tensors
                 r32 = [t.detach().float().requires_grad_() for t in ins]
-                ref = hstu_mha(N, alpha, *r32[:3], off, rab=r32[3])
+                bias = relative_bias(ts, off, N, r32[3], r32[4]) if tables else r32[3]
+                ref = hstu_mha(N, alpha, *r32[:3], off, rab=bias)
                 want = torch.autograd.grad(ref, r32, do.float())
                 out = fwd()
                 got = torch.autograd.grad(out, ins, do)
-                err, drab_err = rel(out, ref), rel(got[3], want[3])
+                err = rel(out, ref)
+                grad_err = max(rel(a, b) for a, b in zip(got[3:], want[3:]))
+                del ref, want, bias, r32
+                torch.cuda.empty_cache()
             rows.append(dict(N=N, provider=prov, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
-                             peak_mib=round(peak, 1), rel_err_out=f"{err:.2e}", rel_err_drab=f"{drab_err:.2e}"))
-            log.info("N=%d %-16s %.3f ms  %.1f TFLOP/s  peak %.0f MiB  err out %.2e d_rab %.2e", N, prov, ms,
-                     flops / ms / 1e9, peak, err, drab_err)
+                             peak_mib=round(peak, 1), peak_total_mib=round(peak_total, 1), rel_err_out=f"{err:.2e}",
+                             rel_err_bias_grad=f"{grad_err:.2e}"))
+            log.info("N=%d %-18s %.3f ms  %.1f TFLOP/s  peak +%.0f MiB (total %.0f)  err out %.2e bias grad %.2e", N,
+                     prov, ms, flops / ms / 1e9, peak, peak_total, err, grad_err)
     write_csv(rows, args.out, "rab_attention.csv")
+    log.info("%-6s %-18s %10s %8s %12s %14s", "N", "provider", "ms", "TFLOP/s", "peak+MiB", "peak_total")
+    for r in rows:
+        log.info("%-6s %-18s %10s %8s %12s %14s", r["N"], r["provider"], r["ms"], r["tflops"], r["peak_mib"],
+                 r["peak_total_mib"])
 
 
 if __name__ == "__main__":

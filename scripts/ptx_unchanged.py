@@ -62,7 +62,7 @@ def _signature(fn, values):
 
 CONSTEXPR = {"CAUSAL", "HAS_TGT", "HAS_CTX", "HAS_WINDOW", "HAS_MINFULL", "SCALE_MODE", "DELTA", "TMA", "FAST",
              "PREC", "EVEN_DQ", "EVEN_DV", "BLOCK_DQ", "BLOCK_DV", "BLOCK_M", "BLOCK_N", "SEQ_MAJOR", "Q_IN_REGS",
-             "DQ_MODE", "HAS_RAB", "RAB_GRAD", "HAS_IV"}
+             "DQ_MODE", "HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD"}
 
 
 def _values(kind, tma, dq_mode=0):
@@ -76,11 +76,13 @@ def _values(kind, tma, dq_mode=0):
              Q=ptr, K=ptr, V=ptr, O=ptr, DO=ptr, DK=ptr, DVo=ptr, DQo=ptr, DQA=("fp32",) if dq_mode else None,
              CAUSAL=True, HAS_TGT=True, HAS_CTX=False, HAS_WINDOW=False, HAS_MINFULL=False, SCALE_MODE=0,
              DELTA=False, TMA=tma, FAST=1, PREC="tf32", EVEN_DQ=True, EVEN_DV=True, BLOCK_DQ=128, BLOCK_DV=128,
-             SEQ_MAJOR=True, DQ_MODE=dq_mode,
+             SEQ_MAJOR=True, DQ_MODE=dq_mode, HAS_RAB=False, HAS_IV=False, HAS_POS=False, HAS_TS=False,
+             RAB_GRAD=False, TAB_GRAD=False,
              # the new arguments as the host passes them without rab/intervals
-             RAB=None, IV=None, DRAB=None)
+             RAB=None, IV=None, DRAB=None, TS=None, POSW=None, TSW=None, DPOS=None, DTS=None, NB=0, TAB_COPIES=1)
     v.update({n: 0 for n in ("stride_rb", "stride_rh", "stride_ri", "stride_rj", "stride_ih", "stride_ir",
-                             "stride_ic", "stride_gb", "stride_gh", "stride_gi", "stride_gj")})
+                             "stride_ic", "stride_gb", "stride_gh", "stride_gi", "stride_gj", "stride_pc",
+                             "stride_tc")})
     blocks = {"fwd": (128, 64, 8, 2), "dkdv": (64, 128, 8, 3), "dq": (128, 64, 8, 3)}[kind]
     v.update(BLOCK_M=blocks[0], BLOCK_N=blocks[1])
     if kind != "dkdv":
@@ -88,13 +90,42 @@ def _values(kind, tma, dq_mode=0):
     return v, blocks[2], blocks[3]
 
 
-def _ptx(mod, kind, tma, dq_mode=0):
+# --features: the bias variants compiled for sm90 (they must compile; registers/spills/shared memory printed)
+FEATURES = {
+    "rab_1h_atomic": dict(RAB=("bf16",), HAS_RAB=True, DRAB=("fp32",), RAB_GRAD=2, stride_rh=1048576, stride_ri=1024,
+                          stride_rj=1, stride_gh=1048576, stride_gi=1024, stride_gj=1),
+    "tables": dict(TS=("i64",), POSW=("fp32",), TSW=("fp32",), NB=128, HAS_POS=True, HAS_TS=True, DPOS=("fp32",),
+                   DTS=("fp32",), TAB_COPIES=32, stride_pc=2047, stride_tc=129, TAB_GRAD=True),
+}
+
+
+def _ptx(mod, kind, tma, dq_mode=0, extra=None, kernel=False):
     fn = {"fwd": mod._hstu_fwd_kernel, "dkdv": mod._hstu_bwd_dkdv_kernel, "dq": mod._hstu_bwd_dq_kernel}[kind]
     values, warps, stages = _values(kind, tma, dq_mode)
+    values.update(extra or {})
+    if kind != "dkdv":
+        for name in ("DRAB", "RAB_GRAD", "DPOS", "DTS", "TAB_GRAD"):
+            values.pop(name, None)
     sig, consts = _signature(fn, values)
     src = ASTSource(fn, sig, consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": warps, "num_stages": stages})
-    return k.asm["ptx"]
+    return k if kernel else k.asm["ptx"]
+
+
+def features():
+    """Compile every kernel with each bias feature for sm90; print registers, spills, shared memory."""
+    mod = _load(os.path.join(ROOT, PATH), "_attention_new")
+    for name, extra in FEATURES.items():
+        for kind in ("fwd", "dq", "dkdv"):
+            k = _ptx(mod, kind, False, 0, extra, kernel=True)
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(k.asm["ptx"])
+            from triton.backends.nvidia.compiler import get_ptxas
+            usage = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                                   capture_output=True, text=True).stderr
+            regs = re.findall(r"Used (\d+) registers", usage)
+            spills = re.findall(r"(\d+) bytes spill stores", usage)
+            print(f"{name:14s} {kind:5s}: {regs} regs, {spills} B spill stores, {k.metadata.shared} B shared")
 
 
 def _body(ptx):
@@ -130,6 +161,8 @@ def _code(ptx):
 
 
 def main():
+    if sys.argv[1:] == ["--features"]:
+        return features()
     rev = sys.argv[1] if len(sys.argv) > 1 else "HEAD"
     old_src = subprocess.check_output(["git", "-C", ROOT, "show", f"{rev}:{PATH}"], text=True)
     tmp = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)

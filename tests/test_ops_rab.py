@@ -1,5 +1,6 @@
-"""``hstu::attention`` with ``rab`` / ``intervals``: opcheck, equality with the reference, gradients
-(``grad_rab`` summed over broadcast dims), input errors. CPU: the ops run the eager reference."""
+"""``hstu::attention`` with ``rab`` / ``intervals`` / the table bias (``timestamps``, ``pos_w``, ``ts_w``):
+opcheck, equality with the reference, gradients (``grad_rab`` summed over broadcast dims, both tables),
+input errors. CPU: the ops run the eager reference."""
 from __future__ import annotations
 
 import pytest
@@ -137,6 +138,89 @@ def test_rab_interval_input_errors():
 
 
 # ------------------------------------------------------------------------------------------------
+# The table bias (path b): timestamps [L], pos_w [2N-1], ts_w [num_buckets+1]
+# ------------------------------------------------------------------------------------------------
+def _tables(which="pos+ts", seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed + 7)
+    ts = torch.randint(0, 10 ** 6, (sum(LENGTHS),), generator=g)
+    pos_w = torch.randn(2 * N - 1, generator=g, dtype=torch.float64, requires_grad=grad) if "pos" in which else None
+    ts_w = torch.randn(9, generator=g, dtype=torch.float64, requires_grad=grad) if "ts" in which else None
+    return (ts if ts_w is not None else None, pos_w, ts_w)
+
+
+def _targs(shape=None, intervals=False, which="pos+ts", seed=0, grad=True):
+    return _args(shape, intervals, seed=seed, grad=grad) + _tables(which, seed, grad)
+
+
+TABLE_CASES = {"tables_mask": (None, False, "pos+ts"), "pos_intervals": (None, True, "pos"),
+               "ts_rab1H": ("1H", False, "ts")}
+
+
+@pytest.mark.parametrize("name", list(TABLE_CASES))
+def test_opcheck_attention_tables_fast(name):
+    torch.library.opcheck(ops.attention, _targs(*TABLE_CASES[name]), test_utils=_FAST_UTILS)
+
+
+def test_opcheck_attention_tables_full():
+    torch.library.opcheck(ops.attention, _targs(*TABLE_CASES["tables_mask"]))
+
+
+def test_opcheck_attention_bwd_bias_fast():
+    args = _targs("B1", True, grad=False)
+    grad = torch.randn(sum(LENGTHS), H, 4, dtype=torch.float64)
+    torch.library.opcheck(ops.attention_bwd_bias, (grad, *args[:12], False, *args[12:], True, True),
+                          test_utils=_FAST_UTILS)
+
+
+@pytest.mark.parametrize("name", list(TABLE_CASES))
+def test_attention_op_tables_equal_reference(name):
+    """Forward and gradients to q, k, v, pos_w, ts_w (and a dense rab beside them) against autograd through
+    ``reference.relative_bias`` + ``hstu_mha``, fp64."""
+    args = _targs(*TABLE_CASES[name], seed=11)
+    q, k, v, off, Nn, alpha, nt, scale, w, c, f, causal, rab, iv, ts, pos_w, ts_w = args
+    out = ops.attention(*args)
+    bias = ref.relative_bias(ts, off, Nn, pos_w, ts_w)
+    bias = bias if rab is None else rab + bias
+    want = ref.hstu_mha(Nn, alpha, q, k, v, off, num_targets=nt, max_attn_len=w, rab=bias, intervals=iv)
+    assert rel_err(out, want) < 1e-12
+    leaves = [t for t in (q, k, v, rab, pos_w, ts_w) if t is not None]
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, leaves, g)):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-12
+
+
+def test_attention_op_tables_gradcheck():
+    args = list(_targs(None, False, "pos+ts", seed=12))
+
+    def fn(q_, p_, t_):
+        a = list(args)
+        a[0], a[15], a[16] = q_, p_, t_
+        return ops.attention(*a)
+
+    assert torch.autograd.gradcheck(fn, (args[0], args[15], args[16]), eps=1e-6, atol=1e-7)
+
+
+def test_table_grads_only_when_requested():
+    args = list(_targs(None, False, "pos+ts", seed=13))
+    args[15] = args[15].detach()
+    ops.attention(*args).sum().backward()
+    assert args[15].grad is None and args[16].grad is not None
+
+
+def test_table_input_errors():
+    q, k, v, off, Nn, alpha, *_ = _args(None, grad=False)
+    ts, pos_w, ts_w = _tables(grad=False)
+    base = (q, k, v, off, Nn, alpha, None, None, 0, 0, 0, True, None, None)
+    for kw, msg in [(dict(ts_w=ts_w), "needs timestamps"), (dict(timestamps=ts, pos_w=pos_w), "only used with ts_w"),
+                    (dict(pos_w=pos_w[1:]), "pos_w must be"), (dict(timestamps=ts[1:], ts_w=ts_w), "timestamps must"),
+                    (dict(timestamps=ts, ts_w=ts_w.to(torch.int64)), "floating point")]:
+        a = dict(timestamps=None, pos_w=None, ts_w=None)
+        a.update(kw)
+        with pytest.raises(RuntimeError, match=msg):
+            ops.attention(*base, a["timestamps"], a["pos_w"], a["ts_w"])
+
+
+# ------------------------------------------------------------------------------------------------
 # GPU: the op's kernel branch, eager and under torch.compile (Inductor embeds the kernels)
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
@@ -162,3 +246,38 @@ def test_gpu_op_rab_intervals(compiled):
     assert rel_err(out, want_out) < 2e-2
     for a, b in zip(got, want):
         assert a.dtype == torch.bfloat16 and rel_err(a, b) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gpu_op_tables(compiled):
+    """Path (b) through the op on the GPU (bf16 q/k/v, fp32 tables, int64 timestamps), eager and compiled,
+    against the fp64 reference (``relative_bias`` + dense path); a dense [1, H] rab on top in one call."""
+    torch.manual_seed(1)
+    lengths, n, heads, d = [300, 1, 256, 97], 300, 2, 64
+    q, k, v, off = (t.cuda() for t in random_jagged(lengths, heads, d, d, dtype=torch.float64, seed=10))
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    ts = (1.7e9 + (10 ** (torch.rand(sum(lengths), dtype=torch.float64) * 6)).cumsum(0)).to(torch.int64).cuda()
+    pos_w = (0.5 * torch.randn(2 * n - 1, device="cuda")).requires_grad_()
+    ts_w = (0.5 * torch.randn(129, device="cuda")).requires_grad_()
+    rab = torch.randn(1, heads, n, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    nt = torch.tensor([3, 0, 5, 1], device="cuda")
+    for use_rab in (False, True):
+        def fn(q_, k_, v_, r_, p_, t_):
+            return ops.attention(q_, k_, v_, off, n, 1.0 / d, nt, None, 64, 2, 0, True, r_, None, ts, p_, t_)
+
+        f = torch.compile(fn, fullgraph=True) if compiled else fn
+        ins = [q, k, v, rab if use_rab else None, pos_w, ts_w]
+        leaves = [t for t in ins if t is not None]
+        out = f(*ins)
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, leaves, g)
+        r64 = [None if t is None else t.detach().double().requires_grad_() for t in ins]
+        bias = ref.relative_bias(ts, off, n, r64[4], r64[5])
+        bias = bias if r64[3] is None else bias + r64[3]
+        want_out = ref.hstu_mha(n, 1.0 / d, *r64[:3], off, num_targets=nt, max_attn_len=64, contextual_seq_len=2,
+                                rab=bias)
+        want = torch.autograd.grad(want_out, [t for t in r64 if t is not None], g.double())
+        assert rel_err(out, want_out) < 2e-2
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 2e-2

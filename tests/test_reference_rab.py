@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from _helpers import loop_attention, offsets_from_lengths, random_jagged, rel_err, spec_sla_visible
-from hstu_inductor.reference import (hstu_mha, hstu_mha_backward, interval_mask, relative_bias, sla_intervals,
-                                     time_buckets)
+from hstu_inductor.reference import (hstu_mha, hstu_mha_backward, interval_mask, relative_bias,
+                                     relative_bias_backward, sla_intervals, time_buckets)
 
 LENGTHS = [0, 1, 6, 4]  # includes 0, 1 and N
 N, H = 6, 2
@@ -169,3 +169,24 @@ def test_relative_bias_matches_loop_and_flows_to_tables():
     assert torch.autograd.gradcheck(
         lambda p_, t_: hstu_mha(n, 0.5, q, k, v, off, rab=relative_bias(ts, off, n, p_, t_)), (pos_w, ts_w))
     assert time_buckets(torch.tensor([0, 1, -1, 2, 3, -20, 10 ** 9]), 8).tolist() == [0, 0, 0, 2, 3, 8, 8]
+
+
+def test_relative_bias_single_tables_and_closed_form_backward():
+    """Either table alone (its term only), and ``relative_bias_backward`` (the closed-form scatter used by the
+    ops' reference path) against autograd, for a per-head gradient ``[B, H, N, N]``."""
+    lengths, n = [4, 0, 1, 6], 6
+    off = offsets_from_lengths(lengths)
+    g = torch.Generator().manual_seed(72)
+    ts = torch.randint(-5000, 5000, (sum(lengths),), generator=g)  # unsorted: negative dt too
+    pos_w = torch.randn(2 * n - 1, generator=g, dtype=torch.float64, requires_grad=True)
+    ts_w = torch.randn(7, generator=g, dtype=torch.float64, requires_grad=True)
+    both = relative_bias(ts, off, n, pos_w, ts_w)
+    assert rel_err(relative_bias(None, off, n, pos_w, None) + relative_bias(ts, off, n, None, ts_w), both) < 1e-15
+    d_bias = torch.randn(4, H, n, n, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad(both, (pos_w, ts_w), d_bias.sum(1, keepdim=True))
+    got = relative_bias_backward(d_bias, ts, off, n, ts_w.shape[0] - 1)
+    assert all(rel_err(a, b) < 1e-13 for a, b in zip(got, want))
+    d_pos, d_ts = relative_bias_backward(d_bias, None, off, n, None)
+    assert d_ts is None and rel_err(d_pos, want[0]) < 1e-13
+    with pytest.raises(ValueError, match="ts_w needs timestamps"):
+        relative_bias(None, off, n, None, ts_w)

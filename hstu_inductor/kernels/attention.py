@@ -133,13 +133,100 @@ def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
 
 
 @triton.jit
-def _pre_silu(s, alpha, RAB_b, rows, cols, n, stride_ri, stride_rj, HAS_RAB: tl.constexpr):
-    """(x, a) with silu(a * x) the score: (s, alpha) without rab (today's code unchanged), else
-    (alpha * s + rab, 1)."""
+def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+                   HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+    """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
+    (None) pointer (a tuple cannot hold None)."""
+    RAB_b = 0
+    TS_b = 0
+    POS_t = 0
+    TSW_t = 0
     if HAS_RAB:
-        return s * alpha + _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj), 1.0
+        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
+    if HAS_POS:
+        POS_t = POSW
+    if HAS_TS:
+        TS_b = TS + start
+        TSW_t = TSW
+    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N)
+
+
+@triton.jit
+def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+    """(bias, bucket) on a tile, fp32, zero outside the sequence: the dense rab plus the table bias
+    ``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]`` (docs/semantics.md). ``rows`` (i) and ``cols``
+    (j) are broadcastable position vectors. The bucket tile (int32, 0 without HAS_TS) feeds d ts_w."""
+    RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN = RB
+    inside = (rows < n) & (cols < n)
+    bk = 0
+    if HAS_RAB:
+        x = _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj)
     else:
-        return s, alpha
+        x = tl.where(inside, 0.0, 0.0)
+    if HAS_POS:
+        x += tl.load(POSW + (MAXN - 1 + cols - rows), mask=inside, other=0.0).to(tl.float32)
+    if HAS_TS:
+        # next(i) = min(i + 1, N - 1) on padded positions; padding has timestamp 0 (so the last row of a
+        # shorter sequence is compared with 0, as in reference.relative_bias)
+        nx = tl.minimum(rows + 1, MAXN - 1)
+        tsn = tl.load(TS_b + nx, mask=nx < n, other=0)
+        tsj = tl.load(TS_b + cols, mask=cols < n, other=0)
+        # fp64 log, difference in the timestamps' dtype: the reference's bucket boundaries exactly
+        dt = tl.maximum(tl.abs(tsn - tsj).to(tl.float64), 1.0)
+        bkf = tl.floor(tl.log(dt) / tl.full([], 0.301, tl.float64))
+        bk = tl.minimum(tl.maximum(bkf, 0.0), NB).to(tl.int32)
+        x += tl.load(TSW + bk, mask=inside, other=0.0).to(tl.float32)
+    return x, bk
+
+
+@triton.jit
+def _pre_silu(s, alpha, RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+    """(x, a, bucket) with silu(a * x) the score: (s, alpha, 0) without a bias (today's code unchanged),
+    else (alpha * s + bias, 1, bucket)."""
+    if HAS_RAB or HAS_POS or HAS_TS:
+        x, bk = _bias(RB, rows, cols, n, HAS_RAB, HAS_POS, HAS_TS)
+        return s * alpha + x, 1.0, bk
+    else:
+        return s, alpha, 0
+
+
+@triton.jit
+def _bias_grad(ds, bk, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, TAB_GRAD: tl.constexpr,
+               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bias gradients from one transposed dS tile ``ds[j, i]`` (keys ``offs_n`` x queries ``offs_m``, zero
+    where invalid). RAB_GRAD 1: store d rab (each element has one writer); 2: fp32 atomics into a buffer
+    of rab's broadcast shape (strides 0 on broadcast dims). TAB_GRAD: reduce into this program's copy of
+    the fp32 table gradients; never an atomic per score element (all of them would hit a few addresses)."""
+    DRAB_b, stride_gi, stride_gj, DPOS, DTS, gsc = GB
+    NB = RB[6]
+    MAXN = RB[7]
+    g = ds.to(tl.float32) * gsc
+    if RAB_GRAD != 0:
+        # 32-bit offsets from the (b, h) base (the buffer is ours, N^2 < 2^31): 64-bit per-element pointers
+        # cost ~2 registers per element of the tile (spills measured offline, sm90)
+        ptrs = DRAB_b + (offs_m[None, :] * stride_gi + offs_n[:, None] * stride_gj)
+        inside = (offs_m[None, :] < n) & (offs_n[:, None] < n)
+        if RAB_GRAD == 1:
+            tl.store(ptrs, g.to(DRAB_b.dtype.element_ty), mask=inside)
+        else:
+            tl.atomic_add(ptrs, g, mask=inside, sem="relaxed")
+    if TAB_GRAD:
+        if HAS_POS:
+            # diagonal sums: skew the tile (column i rotated by i) so each row holds one diagonal j - i,
+            # then one row-sum per wrap-around: BLOCK_N atomics per wrap instead of one per element
+            t = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+            sk = tl.gather(g, t % BLOCK_N, 0)  # sk[r, i] = g[(r + i) % BLOCK_N, i]: j - i = r - BLOCK_N * wrap
+            for wv in tl.static_range((BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1):
+                part = tl.sum(tl.where(t // BLOCK_N == wv, sk, 0.0), axis=1)
+                idx = MAXN - 1 + offs_n - start_m - wv * BLOCK_N
+                tl.atomic_add(DPOS + idx, part, mask=(idx >= 0) & (idx < 2 * MAXN - 1), sem="relaxed")
+        if HAS_TS:
+            # one masked tile sum per bucket present in the tile (few off the diagonal: log buckets)
+            nz = g != 0.0
+            k_lo = tl.min(tl.where(nz, bk, NB))
+            k_hi = tl.max(tl.where(nz, bk, 0))
+            for kk in range(k_lo, k_hi + 1):
+                tl.atomic_add(DTS + kk, tl.sum(tl.where(bk == kk, g, 0.0)), sem="relaxed")
 
 
 @triton.jit
@@ -417,19 +504,20 @@ def _store_rows(dst, r0, x, n, D, stride_m, stride_d, TMA: tl.constexpr, BLOCK: 
 
 @triton.jit
 def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
-               n, M, c, w, f, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2,
+               n, M, c, w, f, alpha, DQ, DV, RB, x0, x1, x2,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-               HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr):
+               HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr,
+               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = _load_rows(K_src, start_n, n, DQ, stride_km, stride_kd, MASKED, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s, a = _pre_silu(s, alpha, RAB_b, pos_m[:, None], offs_n[None, :], n, stride_ri, stride_rj, HAS_RAB)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS)
         if FAST == 2:
             p = _silu_packed((s * (0.5 * a)).to(v.dtype))
         else:
@@ -454,12 +542,14 @@ def _hstu_fwd_kernel(
     alpha, scale_const, one,
     H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, CTX, WINDOW, MINFULL, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
+    TS, POSW, TSW, NB,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, DELTA: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
     HAS_RAB: tl.constexpr = False, HAS_IV: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False,
 ):
     # Inductor passes Python float arguments of user kernels as fp64 (a direct launch passes fp32):
     # cast once so the score math and the fp32-only inline-asm silu see fp32 on both paths.
@@ -504,39 +594,38 @@ def _hstu_fwd_kernel(
         # from shared memory (with Q in shared memory, BLOCK_N <= 64 tiles are shared-memory bound).
         q = (q.to(tl.float32) * one).to(q.dtype)
 
-    RAB_b = RAB
-    if HAS_RAB:
-        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
+    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+                        HAS_RAB, HAS_POS, HAS_TS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_IV:  # intervals replace the HSTU mask: every visited tile is masked, invisible tiles skipped
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
                               stride_ir, stride_ic)
         a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2, True,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                          CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2, True,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                          CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
     else:
         m_first = tl.maximum(pos0 + r0, 0)
         m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
         a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
                                       HAS_TGT, HAS_WINDOW, HAS_MINFULL)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, pos_m, pos_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, pos_m, pos_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, pos_m, pos_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
 
     if SCALE_MODE == 0:
         acc = acc * scale_const
@@ -559,13 +648,14 @@ def _hstu_fwd_kernel(
 @triton.jit
 def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
                    stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
-                   RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, x0, x1, x2,
+                   RB, GB, x0, x1, x2,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
                    TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
                    EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr):
+                   HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr,
+                   HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr):
     """One query block [start_m, start_m + BLOCK_M) against the key block of this program."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dq = tl.arange(0, BLOCK_DQ)
@@ -576,7 +666,7 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
         do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
     s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
     dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-    s_t, a = _pre_silu(s_t, alpha, RAB_b, offs_m[None, :], offs_n[:, None], n, stride_ri, stride_rj, HAS_RAB)
+    s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], n, HAS_RAB, HAS_POS, HAS_TS)
     if FAST == 2:
         p16, ds16 = _silu_bwd_packed((s_t * (0.5 * a)).to(q.dtype), dp_t.to(q.dtype))
     else:
@@ -592,12 +682,10 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
                         HAS_CTX, HAS_WINDOW, HAS_MINFULL)
         p16 = tl.where(ok, p16, 0.0)
         ds16 = tl.where(ok, ds16, 0.0)
-    if RAB_GRAD:
-        # d rab[i, j] = dS_pre (per-row scales included via dO; a scalar scale is applied on the host):
-        # each (b, h, i, j) is written by exactly one program step, so no atomics, bitwise repeatable
-        tl.store(DRAB_b + offs_m[None, :].to(tl.int64) * stride_gi + offs_n[:, None].to(tl.int64) * stride_gj,
-                 ds16.to(DRAB_b.dtype.element_ty),
-                 mask=(offs_m[None, :] < n) & (offs_n[:, None] < n))
+    if RAB_GRAD != 0 or TAB_GRAD:
+        # bias gradients are dS_pre (per-row scales are already in dO; GB carries a scalar scale)
+        _bias_grad(ds16, bk, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD, TAB_GRAD, HAS_POS, HAS_TS, BLOCK_M,
+                   ds16.shape[0])
     dv = tl.dot(p16, do, dv, input_precision=PREC)
     dk = tl.dot(ds16, q, dk, input_precision=PREC)
     if DQ_MODE == 1:
@@ -624,14 +712,15 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
                     stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
-                    RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj, IV_h, stride_ir, stride_ic,
+                    RB, GB, IV_h, stride_ir, stride_ic,
                     n0, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
                     HAS_TGT: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
                     TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
                     EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr):
+                    HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr,
+                    HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         if HAS_IV:
@@ -642,17 +731,17 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stri
             if tl.max(row_hit.to(tl.int32), axis=0) > 0:
                 dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd,
                                         stride_dom, stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M,
-                                        c, w, f, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi,
-                                        stride_gj, x0, x1, x2, MASKED, CAUSAL, HAS_CTX, HAS_TGT,
+                                        c, w, f, alpha, DQ, DV, RB, GB, x0, x1, x2, MASKED, CAUSAL, HAS_CTX, HAS_TGT,
                                         HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
-                                        EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
+                                        EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS,
+                                        HAS_TS, TAB_GRAD)
         else:
             dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
                                     stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha,
-                                    DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
+                                    DQ, DV, RB, GB,
                                     offs_m0, offs_m0, offs_m0, MASKED, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                     HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
-                                    BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
+                                    BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD)
     return dk, dv
 
 
@@ -666,12 +755,14 @@ def _hstu_bwd_dkdv_kernel(
     H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
     DRAB, stride_gb, stride_gh, stride_gi, stride_gj,
+    TS, POSW, TSW, NB, DPOS, DTS, TAB_COPIES, stride_pc, stride_tc,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True,
-    HAS_RAB: tl.constexpr = False, RAB_GRAD: tl.constexpr = False, HAS_IV: tl.constexpr = False,
+    HAS_RAB: tl.constexpr = False, RAB_GRAD: tl.constexpr = 0, HAS_IV: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False, TAB_GRAD: tl.constexpr = False,
 ):
     alpha, scale_const = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32)  # fp64 under Inductor
     # early key blocks are seen by the most query rows: launched first
@@ -710,52 +801,56 @@ def _hstu_bwd_dkdv_kernel(
     v = _load_rows(v_src, n0, n, DV, stride_vm, stride_vd, True, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
     DQ_dst = _rows(dq_base, n, DQ, stride_dqm, BLOCK_M, BLOCK_DQ, DQ_MODE == 2)  # TMA reduce-add target
 
-    RAB_b = RAB
-    DRAB_b = DRAB
+    # gradient operands as a tuple; 0 stands for an absent (None) pointer (a tuple cannot hold None)
+    DRAB_b = 0
     IV_h = IV
-    if HAS_RAB:
-        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
-    if RAB_GRAD:
+    DPOS_s = 0
+    DTS_s = 0
+    gsc = 1.0
+    if RAB_GRAD != 0:
         DRAB_b = DRAB + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+    if TAB_GRAD:  # TAB_COPIES copies of the table gradients spread the atomics (summed on the host)
+        slot = tl.program_id(0) % TAB_COPIES
+        if HAS_POS:
+            DPOS_s = DPOS + slot * stride_pc
+        if HAS_TS:
+            DTS_s = DTS + slot * stride_tc
+    if RAB_GRAD != 0 or TAB_GRAD:  # bias gradients leave the kernel scaled (rab-sized, no host pass)
+        if SCALE_MODE == 0:
+            gsc = scale_const
+        elif SCALE_MODE == 1:
+            gsc = tl.load(ATTN_SCALE).to(tl.float32)
     if HAS_IV:
         IV_h = IV + h.to(tl.int64) * stride_ih + start * stride_ir
+    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+                        HAS_RAB, HAS_POS, HAS_TS)
+    GB = (DRAB_b, stride_gi, stride_gj, DPOS_s, DTS_s, gsc)
     dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    if HAS_IV:  # every query block, each skipped unless one of its rows sees this key block
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
-                                 stride_dod, stride_dqm, stride_sm, 0, n, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
-                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                                 HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
-                                 BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
+    # Query-row segments (_bwd_query_range): [0, cb) contextual rows (masked), [qa, qf) masked, [qf, qe)
+    # full, [qe, qz) masked. Intervals: one masked segment over all rows, each block skipped unless one
+    # of its rows sees this key block.
+    if HAS_IV:
+        cb, qa, qf, qe, qz = n * 0, n * 0, n, n, n
     else:
         cb, qa, qf, qe, qz = _bwd_query_range(n0, n, M, CTX, WINDOW, MINFULL, BLOCK_M, BLOCK_N, CAUSAL, HAS_CTX,
                                               HAS_TGT, HAS_WINDOW, HAS_MINFULL)
-        if HAS_CTX:
+    for seg in tl.static_range(4):
+        if (seg == 0 and HAS_CTX and not HAS_IV) or seg == 1 or (seg >= 2 and not HAS_IV):
+            if seg == 0:
+                lo, hi = cb * 0, cb
+            elif seg == 1:
+                lo, hi = qa, qf
+            elif seg == 2:
+                lo, hi = qf, qe
+            else:
+                lo, hi = qe, qz
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
-                                     stride_dod, stride_dqm, stride_sm, 0, cb, offs_n, pi_n, n, M, CTX, WINDOW,
-                                     MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi,
-                                     stride_gj, IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX,
-                                     HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
-                                     EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
-                                 stride_dod, stride_dqm, stride_sm, qa, qf, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
-                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                                 HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
-                                 BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
-                                 stride_dod, stride_dqm, stride_sm, qf, qe, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
-                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                                 HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
-                                 BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
-                                 stride_dod, stride_dqm, stride_sm, qe, qz, offs_n, pi_n, n, M, CTX, WINDOW, MINFULL,
-                                 alpha, DQ, DV, RAB_b, stride_ri, stride_rj, DRAB_b, stride_gi, stride_gj,
-                                 IV_h, stride_ir, stride_ic, n0, BLOCK_N, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                                 HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
-                                 BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV)
+                                     stride_dod, stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, CTX, WINDOW,
+                                     MINFULL, alpha, DQ, DV, RB, GB, IV_h, stride_ir, stride_ic, n0, BLOCK_N,
+                                     seg != 2, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA,
+                                     DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB,
+                                     RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD)
 
     if SCALE_MODE == 0:
         sc = scale_const
@@ -778,12 +873,13 @@ def _hstu_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
-                  n, M, c, w, f, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2,
+                  n, M, c, w, f, alpha, DQ, DV, RB, x0, x1, x2,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                   PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr):
+                  HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr,
+                  HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -791,7 +887,7 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        s, a = _pre_silu(s, alpha, RAB_b, pos_m[:, None], offs_n[None, :], n, stride_ri, stride_rj, HAS_RAB)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS)
         if FAST == 2:
             _, ds = _silu_bwd_packed((s * (0.5 * a)).to(k.dtype), dp.to(k.dtype))
         else:
@@ -817,12 +913,14 @@ def _hstu_bwd_dq_kernel(
     alpha, scale_const, one,
     H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
+    TS, POSW, TSW, NB,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
     HAS_RAB: tl.constexpr = False, HAS_IV: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False,
 ):
     # fp64 under Inductor: see the forward kernel
     alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
@@ -855,38 +953,37 @@ def _hstu_bwd_dq_kernel(
         if SCALE_MODE != 2:
             do = (do.to(tl.float32) * one).to(q.dtype)
 
-    RAB_b = RAB
-    if HAS_RAB:
-        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
+    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+                        HAS_RAB, HAS_POS, HAS_TS)
     dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32)
     if HAS_IV:  # as in the forward kernel
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
                               stride_ir, stride_ic)
         a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2, True,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                            CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, x0, x1, x2, True,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                            CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
     else:
         m_last = tl.minimum(r0 + BLOCK_M, n) - 1
         a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
                                       HAS_TGT, HAS_WINDOW, HAS_MINFULL)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, offs_r, offs_r,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, offs_r, offs_r,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RAB_b, stride_ri, stride_rj, offs_r, offs_r,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV)
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
     if SCALE_MODE == 0:
         sc = scale_const
     elif SCALE_MODE == 1:
@@ -974,7 +1071,7 @@ def _autotune_enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool):
+def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool, zero_extra: tuple = ()):
     if autotune:
         configs = [_cfg(kind, *c) for c in _GPU_CONFIGS[(kind, size)]]
     elif _interpret():
@@ -982,20 +1079,22 @@ def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool):
     else:
         configs = [_cfg(kind, *_GPU_CONFIGS[(kind, size)][0])]
     tuner = triton.autotune(configs=configs, key=_KEY, cache_results=True,
-                            reset_to_zero=["DQA"] if atomic_dq else None)(_JIT[kind])
-    _TUNERS[f"{kind}/{size}/tune={autotune}/atomic={atomic_dq}"] = tuner
+                            reset_to_zero=(["DQA"] if atomic_dq else []) + list(zero_extra) or None)(_JIT[kind])
+    _TUNERS[f"{kind}/{size}/tune={autotune}/atomic={atomic_dq}" + "".join(f"/{z}" for z in zero_extra)] = tuner
     return tuner
 
 
 _TUNERS: dict = {}  # for benchmark reports: name -> triton Autotuner
 
 
-_OPTIONAL_FLAGS = {"fwd": ("HAS_RAB", "HAS_IV"), "dq": ("HAS_RAB", "HAS_IV"), "dkdv": ("HAS_RAB", "RAB_GRAD", "HAS_IV")}
+_OPTIONAL_FLAGS = {"fwd": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS"), "dq": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS"),
+                   "dkdv": ("HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD")}
 
 
 def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, kwargs: dict,
-            atomic_dq: bool = False, fp32: bool = False):
-    """Launch kernel ``kind`` over grid_x * cdiv(grid_rows, BLOCK_{M|N}) programs (see :func:`_tile`)."""
+            atomic_dq: bool = False, fp32: bool = False, zero_extra: tuple = ()):
+    """Launch kernel ``kind`` over grid_x * cdiv(grid_rows, BLOCK_{M|N}) programs (see :func:`_tile`).
+    ``zero_extra``: further accumulated outputs (bias gradients) the autotuner zeroes between trials."""
     # every constexpr passed, the defaulted rab/interval switches too: torch's wrap_triton (Inductor's
     # user-defined-kernel path) maps arguments by position and breaks on a defaulted one left out
     kwargs = {**{k: False for k in _OPTIONAL_FLAGS[kind]}, **kwargs}
@@ -1009,7 +1108,7 @@ def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, k
                                                         num_stages=cfg.num_stages, **extra)  # test hook: eager only
         return
     size = "fp32" if fp32 else ("small" if block_d <= 128 else "large")
-    kern = _tuned(kind, size, _autotune_enabled(), atomic_dq)
+    kern = _tuned(kind, size, _autotune_enabled(), atomic_dq, zero_extra)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("hstu %s launch: configs=%s, constexprs=%s, int args=%s", kind, size,
                   {k: v for k, v in kwargs.items()}, [a for a in args if isinstance(a, (int, float))])
@@ -1167,6 +1266,33 @@ def _iv_args(intervals, H, rows):
             intervals.stride(2))
 
 
+def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len):
+    """(timestamps, pos_w, ts_w, num_buckets) for the table bias (docs/semantics.md), contiguous (tiny or
+    [L]), and the constexpr switches; placeholders without tables."""
+    if ts_w is not None and timestamps is None:
+        raise ValueError("hstu attention: ts_w needs timestamps")
+    if pos_w is not None and (pos_w.dim() != 1 or pos_w.shape[0] != 2 * max_seq_len - 1):
+        raise ValueError(f"hstu attention: pos_w must be [2N - 1] = [{2 * max_seq_len - 1}], got {tuple(pos_w.shape)}")
+    if ts_w is not None:
+        if ts_w.dim() != 1 or ts_w.shape[0] < 1:
+            raise ValueError(f"hstu attention: ts_w must be [num_buckets + 1], got {tuple(ts_w.shape)}")
+        if timestamps.dim() != 1 or timestamps.shape[0] != rows or timestamps.dtype not in (
+                torch.int32, torch.int64, torch.float32, torch.float64):
+            raise ValueError(f"hstu attention: timestamps must be an int32/int64/fp32/fp64 [L] = [{rows}] tensor, "
+                             f"got {tuple(timestamps.shape)} {timestamps.dtype}")
+    for t in (pos_w, ts_w):
+        if t is not None and t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"hstu attention: pos_w / ts_w must be fp16/bf16/fp32, got {t.dtype}")
+    flags = {}
+    if pos_w is not None:
+        flags["HAS_POS"] = True
+    if ts_w is not None:
+        flags["HAS_TS"] = True
+    cont = lambda t: None if t is None else t.contiguous()  # noqa: E731
+    return ((cont(timestamps) if ts_w is not None else None, cont(pos_w), cont(ts_w),
+             ts_w.shape[0] - 1 if ts_w is not None else 0), flags)
+
+
 def _n_bucket(max_seq_len) -> int:
     """The autotuning key for N (power of two); unused by the kernels' arithmetic, so a symbolic N
     is keyed by its compile-time value without a guard."""
@@ -1231,8 +1357,10 @@ def _prec(dtype) -> str:
 
 
 def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
-         min_full_attn_seq_len, causal, delta_rows, tma, rab=None, intervals=None):
+         min_full_attn_seq_len, causal, delta_rows, tma, rab=None, intervals=None, timestamps=None, pos_w=None,
+         ts_w=None):
     _check_inputs(q, k, v, seq_offsets, num_targets)
+    tab_args, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
@@ -1248,9 +1376,10 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), stride_s,
             float(alpha), float(scale_const), 1.0,
             H, Dq, Dv, k.shape[0], max_seq_len, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
-            _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows)
+            _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows) + tab_args
     if rab is not None:  # only then: without rab/intervals the launch (and the kernel) is today's
         flags["HAS_RAB"] = True
+    flags.update(tab_flags)
     kwargs = dict(flags, SCALE_MODE=scale_mode, DELTA=delta_rows > 0, TMA=use_tma, SEQ_MAJOR=_seq_major(),
                   FAST=_fast_silu(q.dtype, q.device), PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv,
                   BLOCK_DQ=bdq, BLOCK_DV=bdv)
@@ -1264,11 +1393,13 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
 
 def hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targets=None, attn_scale=None,
                        max_attn_len: int = 0, contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0,
-                       causal: bool = True, *, tma=None, rab=None, intervals=None) -> torch.Tensor:
+                       causal: bool = True, *, tma=None, rab=None, intervals=None, timestamps=None, pos_w=None,
+                       ts_w=None) -> torch.Tensor:
     """Jagged HSTU attention forward: ``[L, H, Dv]`` in the dtype of ``q``. ``rab: [B|1, H|1, N, N]`` is added
-    inside the silu; ``intervals: [H|1, L, 3]`` replaces the mask (docs/semantics.md)."""
+    inside the silu; ``intervals: [H|1, L, 3]`` replaces the mask; ``pos_w: [2N-1]`` and/or ``ts_w:
+    [num_buckets+1]`` with ``timestamps: [L]`` add the table bias computed in the kernel (docs/semantics.md)."""
     return _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
-                contextual_seq_len, min_full_attn_seq_len, causal, 0, tma, rab, intervals)
+                contextual_seq_len, min_full_attn_seq_len, causal, 0, tma, rab, intervals, timestamps, pos_w, ts_w)
 
 
 def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
@@ -1292,9 +1423,11 @@ def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num
 
 def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
                        max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True, *,
-                       deterministic=False, tma=None, rab=None, intervals=None, rab_grad=False):
-    """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``), and ``d_rab`` (rab's
-    shape and dtype, summed over its broadcast dims) appended when ``rab_grad``."""
+                       deterministic=False, tma=None, rab=None, intervals=None, rab_grad=False, timestamps=None,
+                       pos_w=None, ts_w=None, table_grad=False):
+    """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``); ``d_rab`` (rab's shape and
+    dtype, summed over its broadcast dims) appended when ``rab_grad``, then ``(d_pos_w, d_ts_w)`` (the
+    tables' dtypes; None for an absent table) when ``table_grad``."""
     _check_inputs(q, k, v, seq_offsets, num_targets)
     L, H, Dq = q.shape
     Dv = v.shape[2]
@@ -1302,24 +1435,46 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     rab_grad = bool(rab_grad) and rab is not None
     rab_args = _rab_args(rab, B, H, max_seq_len)
     iv_args = _iv_args(intervals, H, L)
+    tab_args, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len)
+    table_grad = bool(table_grad) and bool(tab_flags)
     dk = _new((L, H, Dq), k.dtype, k.device)
     dv = _new((L, H, Dv), v.dtype, v.device)
-    # d rab: the dK/dV kernel writes dS_pre of every visited (b, h, i, j) once into a zeroed [B, H, N, N]
-    # buffer in the inputs' dtype (the same rounded dS it feeds to dK; skipped tiles and padding stay 0);
-    # a scalar score scale and the sum over broadcast dims are applied here in fp32. No atomics:
-    # deterministic and free of contention (a [1, H, N, N] rab would otherwise get B-way conflicting adds).
-    drab = torch.zeros((B, H, max_seq_len, max_seq_len), device=q.device, dtype=q.dtype) if rab_grad else None
+    # d rab, scaled in the kernel (docs/kernels.md). No broadcast dim: every (b, h, i, j) has one writer,
+    # stored straight into rab's shape and dtype (zeroed: skipped tiles and padding get 0). Broadcast
+    # dims: fp32 atomics into rab's shape (no [B, H, N, N] buffer), cast after; with ``deterministic``,
+    # the one-writer store into a [B, H, N, N] scratch in the inputs' dtype and a fixed-order sum instead.
+    rab_mode, drab, scratch = 0, None, None
+    if rab_grad:
+        bcast = [d for d, size in ((0, B), (1, H)) if rab.shape[d] == 1 and size > 1]
+        if not bcast:
+            rab_mode, drab = 1, torch.zeros(rab.shape, device=q.device, dtype=rab.dtype)
+        elif not deterministic:
+            rab_mode, drab = 2, torch.zeros(rab.shape, device=q.device, dtype=torch.float32)
+        else:
+            rab_mode = 1
+            scratch = drab = torch.zeros((B, H, max_seq_len, max_seq_len), device=q.device, dtype=q.dtype)
+        g_strides = (drab.stride(0) if drab.shape[0] > 1 else 0, drab.stride(1) if drab.shape[1] > 1 else 0,
+                     drab.stride(2), drab.stride(3))
+        if _compat.size_hint(max_seq_len) > 46340:
+            raise ValueError("hstu attention: rab gradients need max_seq_len <= 46340 (32-bit offsets)")
+    # table gradients: fp32 [copies, table] buffers reduced in the kernel, the copies summed here
+    copies = 1 if _interpret() else 32
+    dpos = torch.zeros((copies, 2 * max_seq_len - 1), device=q.device, dtype=torch.float32) \
+        if table_grad and pos_w is not None else None
+    dts = torch.zeros((copies, ts_w.shape[0]), device=q.device, dtype=torch.float32) \
+        if table_grad and ts_w is not None else None
 
-    def _ret(dq, dk, dv, scale_mode=2, scale_const=1.0, scale_t=None):
-        if not rab_grad:
-            return dq, dk, dv
-        g = drab.to(torch.float32)
-        if scale_mode == 0:
-            g = g * scale_const
-        elif scale_mode == 1:
-            g = g * scale_t.to(torch.float32)
-        bcast = [d for d in (0, 1) if rab.shape[d] == 1 and drab.shape[d] != 1]
-        return dq, dk, dv, (g.sum(dim=bcast, keepdim=True) if bcast else g).to(rab.dtype)
+    def _ret(dq, dk, dv):
+        got = (dq, dk, dv)
+        if rab_grad:
+            if scratch is not None:
+                got += (scratch.to(torch.float32).sum(dim=bcast, keepdim=True).to(rab.dtype),)
+            else:
+                got += (drab.to(rab.dtype),)
+        if table_grad:
+            got += (None if dpos is None else dpos.sum(0).to(pos_w.dtype),
+                    None if dts is None else dts.sum(0).to(ts_w.dtype))
+        return got
 
     if L == 0 or B <= 0 or H == 0 or max_seq_len <= 0:
         return _ret(torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_())
@@ -1332,6 +1487,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, intervals)
     if rab is not None:  # only then: without rab/intervals the launches (and the kernels) are today's
         flags["HAS_RAB"] = True
+    flags.update(tab_flags)
     # Algorithm: "split" = dK/dV kernel + separate dQ kernel (no atomics, bitwise repeatable);
     # "atomic" = one kernel, dQ through fp32 atomics. Split is the default: with the sequence-major
     # tile order it measured faster at N <= 1024 and tied at 2048 (H100, session 5; atomics won
@@ -1369,21 +1525,26 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             sdq[0], sdq[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), stride_s) + tail + rab_args \
-        + iv_args + ((drab,) + tuple(drab.stride()) if rab_grad else (None, 0, 0, 0, 0))
+        + iv_args + ((drab,) + g_strides if rab_grad else (None, 0, 0, 0, 0)) + tab_args \
+        + (dpos, dts, copies, dpos.stride(0) if dpos is not None else 0, dts.stride(0) if dts is not None else 0)
     dkdv_kw = dict(common, DQ_MODE=dq_mode, TMA=tma_dkdv)
     if rab_grad:
-        dkdv_kw["RAB_GRAD"] = True
+        dkdv_kw["RAB_GRAD"] = rab_mode
+    if table_grad:
+        dkdv_kw["TAB_GRAD"] = True
     with _device_ctx(q.device):
         if use_tma:
             _ensure_allocator()
-        _launch("dkdv", max_seq_len, B * H, max(bdq, bdv), args, dkdv_kw, atomic_dq=not split,
+        zero_extra = tuple(name for name, t in (("DRAB", drab if rab_mode == 2 else None), ("DPOS", dpos),
+                                                ("DTS", dts)) if t is not None)
+        _launch("dkdv", max_seq_len, B * H, max(bdq, bdv), args, dkdv_kw, atomic_dq=not split, zero_extra=zero_extra,
                 fp32=q.dtype == torch.float32)
         if split:
             args = (q, k, v, dout, dq, seq_offsets, num_targets, scale_t,
                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                     v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                     dq.stride(0), dq.stride(1), stride_s, float(alpha), float(scale_const), 1.0) + tail[2:] \
-                + rab_args + iv_args
+                + rab_args + iv_args + tab_args
             _launch("dq", max_seq_len, B * H, max(bdq, bdv), args, common, fp32=q.dtype == torch.float32)
         else:
             dq = dq_acc if q.dtype == torch.float32 else _new((L, H, Dq), q.dtype, q.device)
@@ -1392,4 +1553,4 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
             fin_args = (dq_acc, dq, scale_t, numel, float(alpha) * (scale_const if scale_mode == 0 else 1.0))
             _launcher(_dq_finalize_kernel, fin_args)[(triton.cdiv(numel, block),)](
                 *fin_args, SCALE_MODE=1 if scale_mode == 1 else 0, BLOCK=block)
-    return _ret(dq, dk, dv, scale_mode, scale_const, scale_t)
+    return _ret(dq, dk, dv)

@@ -1,4 +1,5 @@
-"""``hstu::attention`` / ``hstu::attention_bwd`` / ``hstu::attention_bwd_rab`` / ``hstu::delta_attention``.
+"""``hstu::attention`` / ``hstu::attention_bwd`` / ``hstu::attention_bwd_rab`` / ``hstu::attention_bwd_bias`` /
+``hstu::delta_attention``.
 
 All three are ``torch.library.triton_op`` s. Their bodies pick the implementation by device:
 CUDA runs the Triton kernels of :mod:`hstu_inductor.kernels` (launched through ``wrap_triton``),
@@ -17,6 +18,14 @@ The forward ops check the values of the jagged inputs in a way that survives com
 the HSTU mask) are trailing optional arguments (docs/semantics.md). ``attention_bwd`` takes them too
 and still returns four tensors; ``attention_bwd_rab`` also returns ``d_rab`` and is what autograd calls
 when rab needs a gradient (a fifth output on ``attention_bwd`` would break its existing callers).
+
+The original HSTU's table bias (``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]``) is three more
+trailing optional tensors, ``timestamps: [L]``, ``pos_w: [2N-1]``, ``ts_w: [num_buckets+1]`` (either table
+may be left out; ``num_buckets`` is ``len(ts_w) - 1``, so no extra int argument). The kernels compute the
+bias in-kernel; elsewhere the body materialises it with ``reference.relative_bias``. Separate tensors
+rather than one tuple argument: a custom-op schema has no optional tuples, and autograd, fake tensors,
+opcheck and AOTI all handle plain optional tensors. Any table routes the backward to
+``attention_bwd_bias``, which also returns ``d_pos_w`` / ``d_ts_w``.
 """
 from __future__ import annotations
 
@@ -27,12 +36,12 @@ from torch import Tensor
 from torch.library import triton_op
 
 from .. import config
-from ..reference import (delta_hstu_mha, hstu_mha, hstu_mha_backward, validate_attention_inputs,
-                         validate_rab_intervals)
+from ..reference import (delta_hstu_mha, hstu_mha, hstu_mha_backward, relative_bias, relative_bias_backward,
+                         validate_attention_inputs, validate_rab_intervals, validate_rab_tables)
 from ._checks import check_jagged_values
 from ._kernels import cuda_kernels
 
-__all__ = ["attention", "attention_bwd", "attention_bwd_rab", "delta_attention"]
+__all__ = ["attention", "attention_bwd", "attention_bwd_rab", "attention_bwd_bias", "delta_attention"]
 
 
 def _tma():
@@ -48,43 +57,93 @@ def _kernels_for(t: Tensor):
 def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int, alpha: float,
               num_targets: Optional[Tensor] = None, attn_scale: Optional[Tensor] = None, max_attn_len: int = 0,
               contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0, causal: bool = True,
-              rab: Optional[Tensor] = None, intervals: Optional[Tensor] = None) -> Tensor:
-    """Jagged HSTU attention forward, ``[L, H, Dv]`` (see ``reference.hstu_mha``)."""
+              rab: Optional[Tensor] = None, intervals: Optional[Tensor] = None, timestamps: Optional[Tensor] = None,
+              pos_w: Optional[Tensor] = None, ts_w: Optional[Tensor] = None) -> Tensor:
+    """Jagged HSTU attention forward, ``[L, H, Dv]`` (see ``reference.hstu_mha``); the bias inside the silu is
+    ``rab`` plus the table bias of ``timestamps``/``pos_w``/``ts_w`` (docs/semantics.md)."""
     validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
                               contextual_seq_len, min_full_attn_seq_len, causal=causal, check_values=False)
     validate_rab_intervals(q, seq_offsets, max_seq_len, rab, intervals, num_targets, max_attn_len,
                            contextual_seq_len, min_full_attn_seq_len)
+    validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w)
     check_jagged_values(seq_offsets, k.shape[0], max_seq_len, num_targets)
     kern = _kernels_for(q)
     if kern is not None:
-        extra = {} if rab is None and intervals is None else dict(rab=rab, intervals=intervals)
         return kern.hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
                                        max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, tma=_tma(),
-                                       **extra)
+                                       **_bias_kw(rab, intervals, timestamps, pos_w, ts_w))
     return hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal=causal, dropout_pr=0.0, training=False,
                     num_targets=num_targets, attn_scale=attn_scale, max_attn_len=max_attn_len,
                     contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len,
-                    rab=rab, intervals=intervals).contiguous()
+                    rab=_dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w),
+                    intervals=intervals).contiguous()
+
+
+def _has_tables(pos_w, ts_w) -> bool:
+    return pos_w is not None or ts_w is not None
+
+
+def _bias_kw(rab, intervals, timestamps, pos_w, ts_w) -> dict:
+    """Kernel keywords; none at all without a bias or intervals (the launch is today's)."""
+    kw = {}
+    if rab is not None or intervals is not None:
+        kw.update(rab=rab, intervals=intervals)
+    if _has_tables(pos_w, ts_w):
+        kw.update(timestamps=timestamps if ts_w is not None else None, pos_w=pos_w, ts_w=ts_w)
+    return kw
+
+
+def _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w):
+    """The reference path's bias: ``rab`` plus the materialised table bias ``[B, 1, N, N]``."""
+    if not _has_tables(pos_w, ts_w):
+        return rab
+    tb = relative_bias(timestamps, seq_offsets, max_seq_len, pos_w, ts_w)
+    return tb if rab is None else rab + tb
 
 
 def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
-         min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad):
-    """Body of both backward ops: ``(dq, dk, dv, d_attn_scale[, d_rab])``, empty ``d_attn_scale`` unless
-    requested (the kernels do not compute it, so that case runs the reference)."""
+         min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad, timestamps=None, pos_w=None,
+         ts_w=None, need_table_grad=None):
+    """Body of the backward ops: ``(dq, dk, dv, d_attn_scale[, d_rab])``, empty ``d_attn_scale`` unless
+    requested (the kernels do not compute it, so that case runs the reference). ``need_table_grad`` not
+    None (``attention_bwd_bias``): always ``(dq, dk, dv, d_attn_scale, d_rab, d_pos_w, d_ts_w)``, empty
+    tensors for gradients not requested."""
+    bias_op = need_table_grad is not None
+    need_tab = bool(need_table_grad) and _has_tables(pos_w, ts_w)
+    need_rab = need_rab_grad and rab is not None
+    empty = lambda: q.new_empty(0)  # noqa: E731  (a fresh one per output: outputs may not alias)
     kern = None if need_scale_grad else _kernels_for(q)
     if kern is not None:
-        extra = {} if rab is None and intervals is None else dict(rab=rab, intervals=intervals,
-                                                                   rab_grad=need_rab_grad)
+        extra = _bias_kw(rab, intervals, timestamps, pos_w, ts_w)
+        if rab is not None or intervals is not None:
+            extra["rab_grad"] = need_rab
+        if need_tab:
+            extra["table_grad"] = True
         got = kern.hstu_attention_bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
                                       max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal,
                                       deterministic=config.deterministic, tma=_tma(), **extra)
-        return (*got[:3], q.new_empty(0), *got[3:])
-    got = hstu_mha_backward(grad, max_seq_len, alpha, q, k, v, seq_offsets, causal, num_targets, attn_scale,
-                            max_attn_len, contextual_seq_len, min_full_attn_seq_len, need_scale_grad, rab=rab,
-                            intervals=intervals, need_rab_grad=need_rab_grad)
-    d_scale = got[3].contiguous() if need_scale_grad else q.new_empty(0)
-    return (got[0].contiguous(), got[1].contiguous(), got[2].contiguous(), d_scale,
-            *(g.contiguous() for g in got[4:]))
+        dq, dk, dv, d_scale, rest = got[0], got[1], got[2], empty(), list(got[3:])
+        d_rab = rest.pop(0) if need_rab else None
+        d_pos, d_ts = rest if need_tab else (None, None)
+    else:
+        bias = _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w)
+        need_bias = need_rab or need_tab
+        got = hstu_mha_backward(grad, max_seq_len, alpha, q, k, v, seq_offsets, causal, num_targets, attn_scale,
+                                max_attn_len, contextual_seq_len, min_full_attn_seq_len, need_scale_grad, rab=bias,
+                                intervals=intervals, need_rab_grad=need_bias)
+        dq, dk, dv = (t.contiguous() for t in got[:3])
+        d_scale = got[3].contiguous() if need_scale_grad else empty()
+        d_rab = d_pos = d_ts = None
+        if need_rab:
+            d_rab = got[4].sum_to_size(rab.shape).to(rab.dtype).contiguous()
+        if need_tab:
+            d_pos, d_ts = relative_bias_backward(got[4], timestamps, seq_offsets, max_seq_len,
+                                                 ts_w.shape[0] - 1 if ts_w is not None else None)
+            d_pos = d_pos.to(pos_w.dtype) if pos_w is not None else None
+            d_ts = d_ts.to(ts_w.dtype) if ts_w is not None else None
+    if not bias_op:
+        return (dq, dk, dv, d_scale) + ((d_rab,) if need_rab_grad else ())
+    return dq, dk, dv, d_scale, *(empty() if t is None else t for t in (d_rab, d_pos, d_ts))
 
 
 @triton_op("hstu::attention_bwd", mutates_args=())
@@ -108,29 +167,51 @@ def attention_bwd_rab(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offsets
                 contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, True)
 
 
+@triton_op("hstu::attention_bwd_bias", mutates_args=())
+def attention_bwd_bias(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int,
+                       alpha: float, num_targets: Optional[Tensor], attn_scale: Optional[Tensor], max_attn_len: int,
+                       contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool, need_scale_grad: bool,
+                       rab: Optional[Tensor], intervals: Optional[Tensor], timestamps: Optional[Tensor],
+                       pos_w: Optional[Tensor], ts_w: Optional[Tensor], need_rab_grad: bool,
+                       need_table_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward with the table bias: ``(dq, dk, dv, d_attn_scale, d_rab, d_pos_w, d_ts_w)``; a gradient not
+    requested (or of an absent input) is an empty tensor."""
+    return _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
+                contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad,
+                timestamps, pos_w, ts_w, need_table_grad)
+
+
 def _setup_context(ctx, inputs, output):
     (q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
-     min_full_attn_seq_len, causal, rab, intervals) = inputs
-    ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals)
+     min_full_attn_seq_len, causal, rab, intervals, timestamps, pos_w, ts_w) = inputs
+    ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals, timestamps, pos_w, ts_w)
     ctx.args = (max_seq_len, alpha, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal)
     ctx.need_scale_grad = attn_scale is not None and ctx.needs_input_grad[7]
     ctx.need_rab_grad = rab is not None and ctx.needs_input_grad[12]
+    ctx.need_table_grad = (pos_w is not None and ctx.needs_input_grad[15]) or (
+        ts_w is not None and ctx.needs_input_grad[16])
 
 
 def _backward(ctx, grad):
-    q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals = ctx.saved_tensors
+    q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals, timestamps, pos_w, ts_w = ctx.saved_tensors
     max_seq_len, alpha, w, c, f, causal = ctx.args
     args = (grad.contiguous(), q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, w, c, f, causal,
             ctx.need_scale_grad)
-    d_rab = None
-    if ctx.need_rab_grad:
+    d_rab = d_pos = d_ts = None
+    if _has_tables(pos_w, ts_w):
+        dq, dk, dv, d_scale, d_rab, d_pos, d_ts = torch.ops.hstu.attention_bwd_bias(
+            *args, rab, intervals, timestamps, pos_w, ts_w, ctx.need_rab_grad, ctx.need_table_grad)
+        d_rab = d_rab if ctx.need_rab_grad else None
+        d_pos = d_pos if ctx.need_table_grad and pos_w is not None else None
+        d_ts = d_ts if ctx.need_table_grad and ts_w is not None else None
+    elif ctx.need_rab_grad:
         dq, dk, dv, d_scale, d_rab = torch.ops.hstu.attention_bwd_rab(*args, rab, intervals)
     elif rab is None and intervals is None:  # the graph of models without rab/intervals is unchanged
         dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args)
     else:
         dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args, rab, intervals)
     return (dq, dk, dv, None, None, None, None, (d_scale if ctx.need_scale_grad else None), None, None, None, None,
-            d_rab, None)
+            d_rab, None, None, d_pos, d_ts)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

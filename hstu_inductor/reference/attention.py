@@ -12,7 +12,8 @@ from .jagged import (_is_concrete, gather_padded, jagged_to_padded, lengths_from
                      require, row_to_sequence, validate_jagged)
 from .mask import hstu_mask, interval_mask
 
-__all__ = ["hstu_mha", "hstu_mha_backward", "delta_hstu_mha", "validate_attention_inputs", "validate_rab_intervals"]
+__all__ = ["hstu_mha", "hstu_mha_backward", "delta_hstu_mha", "validate_attention_inputs", "validate_rab_intervals",
+           "validate_rab_tables"]
 
 
 def validate_attention_inputs(
@@ -98,6 +99,31 @@ def validate_rab_intervals(
         require(num_targets is None and max_attn_len == 0 and contextual_seq_len == 0 and min_full_attn_seq_len == 0,
                 lambda: "intervals replace the causal/targets/window/contextual mask: num_targets, max_attn_len, "
                         "contextual_seq_len and min_full_attn_seq_len must then be unset/0")
+
+
+def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Tensor | None,
+                        pos_w: torch.Tensor | None, ts_w: torch.Tensor | None) -> None:
+    """The table bias of ``hstu::attention`` (docs/semantics.md): ``pos_w: [2N-1]`` and/or ``ts_w:
+    [num_buckets+1]`` (fp16/bf16/fp32), ``timestamps: [L]`` (int32/int64/fp32/fp64) exactly when ``ts_w`` is given."""
+    L = q.shape[0]
+    require(timestamps is None or ts_w is not None, lambda: "timestamps are only used with ts_w")
+    require(ts_w is None or timestamps is not None, lambda: "ts_w needs timestamps")
+    for name, t in (("pos_w", pos_w), ("ts_w", ts_w)):
+        if t is not None:
+            require(t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+                    lambda: f"{name} must be floating point, got {t.dtype}")
+            require(t.device == q.device, lambda: f"{name} is on {t.device}, q on {q.device}")
+    if pos_w is not None:
+        require(pos_w.dim() == 1 and pos_w.shape[0] == 2 * max_seq_len - 1,
+                lambda: f"pos_w must be [2N - 1] = [{2 * max_seq_len - 1}], got {tuple(pos_w.shape)}")
+    if ts_w is not None:
+        require(ts_w.dim() == 1 and ts_w.shape[0] >= 1,
+                lambda: f"ts_w must be [num_buckets + 1], got {tuple(ts_w.shape)}")
+        require(timestamps.dim() == 1 and timestamps.shape[0] == L,
+                lambda: f"timestamps must be [L] = [{L}], got {tuple(timestamps.shape)}")
+        require(timestamps.dtype in (torch.int32, torch.int64, torch.float32, torch.float64),
+                lambda: f"timestamps must be int32/int64/fp32/fp64, got {timestamps.dtype}")
+        require(timestamps.device == q.device, lambda: f"timestamps is on {timestamps.device}, q on {q.device}")
 
 
 def _valid(seq_offsets, N, num_targets, w, c, f, causal, intervals):

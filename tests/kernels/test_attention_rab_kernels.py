@@ -1,4 +1,5 @@
-"""Triton kernels with a dense rab and interval masks (docs/semantics.md) against the fp64 reference.
+"""Triton kernels with a dense rab, the in-kernel table bias (pos_w / ts_w from timestamps) and interval
+masks (docs/semantics.md) against the fp64 reference (``relative_bias`` + the dense path).
 
 CPU: the Triton interpreter at small sizes (fresh random inputs, lengths 0, 1 and N, NaN-poisoned
 outputs); ``@pytest.mark.gpu``: bf16/fp16 at realistic sizes.
@@ -10,7 +11,7 @@ import torch
 
 from hstu_inductor.kernels import attention as K
 from hstu_inductor.kernels import common
-from hstu_inductor.reference import hstu_mha, sla_intervals
+from hstu_inductor.reference import hstu_mha, relative_bias, sla_intervals
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -53,22 +54,41 @@ def _random_intervals(lengths, heads, seed, device=DEV):
 
 
 def _check(q, k, v, dout, off, n, alpha, *, rab=None, intervals=None, tma=False, deterministic=True,
-           tol=None, ref_inputs=None, **kw):
-    """Kernel fwd + bwd (incl. d rab) against autograd through the fp64 reference."""
+           tol=None, ref_inputs=None, tables=None, **kw):
+    """Kernel fwd + bwd (incl. d rab, d pos_w, d ts_w) against autograd through the fp64 reference.
+    ``tables``: (timestamps, pos_w or None, ts_w or None), the reference bias ``relative_bias``."""
     tol = tol or TOL[q.dtype]
-    out = K.hstu_attention_fwd(q, k, v, off, n, alpha, tma=tma, rab=rab, intervals=intervals, **kw)
+    tkw = {}
+    if tables is not None:
+        tkw = dict(timestamps=tables[0] if tables[2] is not None else None, pos_w=tables[1], ts_w=tables[2])
+    out = K.hstu_attention_fwd(q, k, v, off, n, alpha, tma=tma, rab=rab, intervals=intervals, **tkw, **kw)
     got = K.hstu_attention_bwd(dout, q, k, v, off, n, alpha, tma=tma, deterministic=deterministic, rab=rab,
-                               intervals=intervals, rab_grad=rab is not None, **kw)
+                               intervals=intervals, rab_grad=rab is not None, table_grad=tables is not None,
+                               **tkw, **kw)
     rq, rk, rv, rdo = ref_inputs or (q, k, v, dout)
     leaves = [t.detach().double().requires_grad_() for t in (rq, rk, rv)]
     rab64 = None if rab is None else rab.detach().double().requires_grad_()
-    ref = hstu_mha(n, alpha, *leaves, off, rab=rab64, intervals=intervals, training=False, **kw)
+    bias, names, dtypes = rab64, ["dq", "dk", "dv"], [q.dtype] * 3
+    want_leaves = list(leaves) + ([rab64] if rab is not None else [])
+    names += ["drab"] if rab is not None else []
+    dtypes += [rab.dtype] if rab is not None else []
+    if tables is not None:
+        tabs = [None if t is None else t.detach().double().requires_grad_() for t in tables[1:]]
+        tb = relative_bias(tables[0], off, n, *tabs)
+        bias = tb if bias is None else bias + tb
+        for name, t, t64 in zip(("dpos", "dts"), tables[1:], tabs):
+            if t is not None:
+                want_leaves.append(t64)
+                names.append(name)
+                dtypes.append(t.dtype)
+        got = got[:-2] + tuple(g for g in got[-2:] if g is not None)
+    ref = hstu_mha(n, alpha, *leaves, off, rab=bias, intervals=intervals, training=False, **kw)
     ref.backward(rdo.double())
-    want = [t.grad for t in leaves] + ([rab64.grad] if rab is not None else [])
+    want = [t.grad for t in want_leaves]
     assert out.dtype == q.dtype and rel_err(out, ref) < tol, f"fwd {rel_err(out, ref):.2e}"
     assert len(got) == len(want)
-    for name, x, r in zip(("dq", "dk", "dv", "drab"), got, want):
-        assert x.shape == r.shape and x.dtype == (rab.dtype if name == "drab" else q.dtype), name
+    for name, dt, x, r in zip(names, dtypes, got, want):
+        assert x.shape == r.shape and x.dtype == dt, name
         e = rel_err(x, r)
         assert e < tol, f"{name} rel err {e:.2e}"
 
@@ -76,6 +96,21 @@ def _check(q, k, v, dout, off, n, alpha, *, rab=None, intervals=None, tma=False,
 # ------------------------------------------------------------------------------------------
 # CPU (interpreter)
 # ------------------------------------------------------------------------------------------
+
+def _mask_kwargs(opts, rows, seed):
+    """Kernel keywords from a case's mask options: tensors for num_targets, attn_scale ("scalar" / "rows")
+    and intervals (True: random per head and row)."""
+    kw = dict(opts)
+    if "num_targets" in kw:
+        kw["num_targets"] = torch.tensor(kw["num_targets"], device=DEV)
+    if kw.get("attn_scale") == "scalar":
+        kw["attn_scale"] = torch.tensor(0.21, device=DEV)
+    elif kw.get("attn_scale") == "rows":
+        kw["attn_scale"] = torch.rand(rows, device=DEV) + 0.2
+    if kw.pop("intervals", False):
+        kw["intervals"] = _random_intervals(LENGTHS, 2, seed=seed)
+    return kw
+
 
 RAB_CASES = {  # rab broadcast shape, mask options, tma, backward algorithm
     "BH_ctx_targets": ((4, 2), dict(contextual_seq_len=3, num_targets=[2, 0, 1, 3]), True, "split"),
@@ -91,13 +126,7 @@ def test_rab_fwd_bwd(case, poison, monkeypatch):
     shape, opts, tma, algo = RAB_CASES[case]
     monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
     q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=hash(case) % 997)
-    kw = dict(opts)
-    if "num_targets" in kw:
-        kw["num_targets"] = torch.tensor(kw["num_targets"], device=DEV)
-    if kw.get("attn_scale") == "scalar":
-        kw["attn_scale"] = torch.tensor(0.21, device=DEV)
-    elif kw.get("attn_scale") == "rows":
-        kw["attn_scale"] = torch.rand(q.shape[0], device=DEV) + 0.2
+    kw = _mask_kwargs(opts, q.shape[0], seed=0)
     rab = _rab(shape, N, 2, torch.float32, seed=len(case))
     _check(q, k, v, dout, off, N, 0.25, rab=rab, tma=tma, deterministic=algo == "split", **kw)
 
@@ -150,6 +179,83 @@ def test_interval_tile_skipping(algo, poison, monkeypatch):
                ref_inputs=clean)
 
 
+def _tables(lengths, n, num_buckets, ts_dtype, which, seed, device=DEV):
+    """(timestamps [L], pos_w, ts_w) with fresh random values. Timestamps: increasing with random gaps
+    spanning 1 s .. 1e8 s (many buckets, clamping at num_buckets), repeats (dt = 0) and a few shuffled rows
+    (negative dt); int timestamps near 1.7e9 (fp64 bucket boundaries)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for length in lengths:
+        gaps = (10 ** (torch.rand(length, generator=g, dtype=torch.float64) * 8)).floor()
+        gaps[torch.rand(length, generator=g) < 0.2] = 0
+        t = 1.7e9 + gaps.cumsum(0) if ts_dtype == torch.int64 else gaps.cumsum(0) / 1e3
+        if length > 3:
+            t[:3] = t[torch.randperm(3, generator=g)]
+        parts.append(t)
+    ts = torch.cat(parts).to(ts_dtype).to(device)
+    pos_w = torch.randn(2 * n - 1, generator=g).to(device) if "pos" in which else None
+    ts_w = torch.randn(num_buckets + 1, generator=g).to(device) if "ts" in which else None
+    return ts, pos_w, ts_w
+
+
+TABLE_CASES = {  # tables, timestamp dtype, mask options, dense rab too, tma, backward algorithm
+    "both_ctx_targets": ("pos+ts", torch.int64, dict(contextual_seq_len=3, num_targets=[2, 0, 1, 3],
+                                                     attn_scale="scalar"), None, True, "split"),
+    "pos_window_minfull": ("pos", torch.int64, dict(max_attn_len=5, min_full_attn_seq_len=4), None, False, "atomic"),
+    "ts_noncausal_rows": ("ts", torch.float32, dict(causal=False, attn_scale="rows"), None, False, "split"),
+    "both_intervals_rab1H": ("pos+ts", torch.int32, dict(intervals=True), (1, 2), True, "atomic"),
+}
+
+
+@SMALL
+@pytest.mark.parametrize("case", list(TABLE_CASES))
+def test_table_bias_fwd_bwd(case, poison, monkeypatch):
+    """(b): the bias computed in-kernel from timestamps and the two tables, crossed with every mask option;
+    gradients to q, k, v and both tables (and a dense rab added on top in one case)."""
+    which, ts_dtype, opts, rab_shape, tma, algo = TABLE_CASES[case]
+    monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
+    seed = sum(map(ord, case))
+    q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=seed)
+    kw = _mask_kwargs(opts, q.shape[0], seed=seed)
+    rab = _rab(rab_shape, N, 2, torch.float32, seed=seed) if rab_shape else None
+    tables = _tables(LENGTHS, N, 20, ts_dtype, which, seed=seed + 1)
+    _check(q, k, v, dout, off, N, 0.25, rab=rab, tma=tma, deterministic=algo == "split", tables=tables, **kw)
+
+
+@SMALL
+def test_table_bias_block_shapes(poison):
+    """Other tile shapes for the diagonal (pos_w) reduction: BLOCK_M > BLOCK_N in the dK/dV kernel (two
+    wrap-arounds) and BLOCK_M == BLOCK_N; a sequence of exactly N rows (next(N-1) = N-1)."""
+    lengths = [32, 7]
+    q, k, v, dout, off = _batch(lengths, 2, 16, torch.float32, seed=61)
+    tables = _tables(lengths, N, 12, torch.int64, "pos+ts", seed=62)
+    for dkdv in ((32, 16, 4, 1), (16, 16, 4, 1)):
+        with K.force_configs(fwd=(16, 32, 4, 1), dkdv=dkdv, dq=(16, 16, 4, 1)):
+            _check(q, k, v, dout, off, N, 0.3, tables=tables, num_targets=torch.tensor([3, 1], device=DEV))
+
+
+@SMALL
+def test_rab_grad_no_batch_head_buffer(monkeypatch):
+    """d rab of a broadcast rab is reduced in the kernel (atomics into rab's shape): no [B, H, N, N]
+    tensor is allocated unless ``deterministic`` asks for the one-writer scratch."""
+    q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=71)
+    shapes = []
+    real_zeros = torch.zeros
+
+    def zeros(*size, **kw):
+        shapes.append(tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size))
+                      else tuple(size))
+        return real_zeros(*size, **kw)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    for shape, deterministic in (((1, 2), False), ((4, 1), False), ((1, 1), True)):
+        rab = _rab(shape, N, 2, torch.float32, seed=72)
+        shapes.clear()
+        K.hstu_attention_bwd(dout, q, k, v, off, N, 0.3, rab=rab, rab_grad=True, deterministic=deterministic)
+        assert ((4, 2, N, N) in shapes) == deterministic, shapes
+        assert deterministic or (*shape, N, N) in shapes, shapes
+
+
 @SMALL
 def test_fp16_rab_and_intervals(poison):
     q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float16, seed=51)
@@ -165,6 +271,12 @@ def test_rab_interval_argument_errors():
         K.hstu_attention_bwd(dout, q, k, v, off, 4, 0.1, rab=torch.zeros(3, 1, 4, 4), rab_grad=True)
     with pytest.raises(ValueError, match="intervals must be"):
         K.hstu_attention_fwd(q, k, v, off, 4, 0.1, intervals=torch.zeros(1, 5, 3))
+    with pytest.raises(ValueError, match="pos_w must be"):
+        K.hstu_attention_fwd(q, k, v, off, 4, 0.1, pos_w=torch.zeros(8))
+    with pytest.raises(ValueError, match="ts_w needs timestamps"):
+        K.hstu_attention_fwd(q, k, v, off, 4, 0.1, ts_w=torch.zeros(3))
+    with pytest.raises(ValueError, match="timestamps must be"):
+        K.hstu_attention_fwd(q, k, v, off, 4, 0.1, ts_w=torch.zeros(3), timestamps=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="intervals replace"):
         K.hstu_attention_fwd(q, k, v, off, 4, 0.1, intervals=torch.zeros(1, 5, 3, dtype=torch.int64),
                              max_attn_len=2)
