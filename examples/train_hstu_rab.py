@@ -11,9 +11,10 @@ inside the silu (issue 21, docs/semantics.md):
     rab(i, j)   = pos_w[N - 1 + j - i] + ts_w[bucket(ts(next(i)) - ts(j))],  next(i) = min(i + 1, N - 1)
     bucket(dt)  = clamp(floor(ln(max(|dt|, 1)) / 0.301), 0, num_buckets)
 
-The script prints what ``hstu_inductor.explain`` reports was rewritten (attention with a bias inside
-the silu is rewritten only once the pattern matcher knows it; until then it is listed as not
-rewritten and runs on stock Inductor), checks once that the compiled loss equals eager's, then
+The script prints what ``hstu_inductor.explain`` reports was rewritten (an attention with a bias
+inside the silu is rewritten only once the pattern matcher knows that form; until then explain()
+lists it as a near miss and it runs on stock Inductor), checks once that the compiled loss equals
+eager's, then
 trains with a tqdm bar and writes the loss curve to a PNG (both optional extras, as in
 ``train_hstu.py``).
 """
@@ -137,9 +138,11 @@ def train(args):
     report = hstu_inductor.explain(model, *batch, backend=args.backend)
     print(report)
     n_attn = report.counts["attention"]
-    print(f"attention with rab: {n_attn} of {args.layers} layers rewritten" if n_attn else
-          f"attention with rab: not rewritten ({args.layers} layers left to stock Inductor: explain() lists no "
-          "attention rewrite; the pattern matcher does not know a bias inside the silu yet)")
+    if n_attn:
+        print(f"attention with rab: {n_attn} of {args.layers} layers rewritten")
+    else:  # what explain() says, nothing more: its near misses give the reason
+        why = "; ".join(reason for kind, reason in report.near_misses if kind == "attention") or "no candidate found"
+        print(f"attention with rab: not rewritten, left to stock Inductor ({why})")
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=args.backend)
