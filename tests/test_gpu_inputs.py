@@ -228,7 +228,7 @@ def test_eager_auto_checks_in_one_launch(name, monkeypatch):
     monkeypatch.setattr(checks, "fused_check", lambda: lambda *a: (calls.append(a), real(*a)))
     lengths, N, nt = EDGES[name]
     q, k, v, off = _inputs(lengths, torch.bfloat16, seed=5)
-    nt = None if nt is None else torch.tensor(nt, device="cuda")
+    nt = None if nt is None else torch.tensor(nt, device="cuda", dtype=torch.int64)
     with hstu_inductor.config.patch(check_inputs="auto"):
         out = torch.ops.hstu.attention(q, k, v, off, N, 0.1, nt, None, 0, 0, 0, True)
     torch.cuda.synchronize()
