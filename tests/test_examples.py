@@ -19,9 +19,12 @@ TINY = ["--batch-size", "2", "--max-seq-len", "8", "--num-items", "16", "--layer
 
 
 def _example(name, monkeypatch):
+    """Import ``examples/<name>.py`` afresh; its modules leave sys.modules after the test (examples'
+    ``_common`` is not benchmarks' ``_common``)."""
     monkeypatch.syspath_prepend(EXAMPLES)
     for mod in (name, "_common"):
-        sys.modules.pop(mod, None)
+        monkeypatch.setitem(sys.modules, mod, None)  # recorded, so undone (removed) at teardown
+        del sys.modules[mod]
     return importlib.import_module(name)
 
 
