@@ -8,15 +8,11 @@ same checks in one launch, ending in ``tl.device_assert`` (compiled with ``debug
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-
-__all__ = ["check_jagged", "MESSAGE"]
-
-# the one message of the fused check, also spelled out in the kernel (Triton takes a literal there)
-MESSAGE = ("hstu attention: invalid jagged inputs (need offsets[0]=0, non-decreasing, offsets[-1]=L, lengths <= "
-           "max_seq_len, 0 <= num_targets <= length); config.check_inputs='always' names the failed one")
+__all__ = ["check_jagged"]
 
 _BLOCK = 256  # sequences per program; fixed, so one compile serves every batch size
 
@@ -39,6 +35,7 @@ def _check_jagged_kernel(OFFSETS, NUM_TARGETS, OK, B, total_len, max_seq_len, mi
     ok = ok & (tl.load(OFFSETS) == 0) & (tl.load(OFFSETS + B) == total_len)
     if WRITE_OK:  # tests: the interpreter compiles device_assert away (no debug option there)
         tl.store(OK + tl.program_id(0), tl.min(ok.to(tl.int32), axis=0))
+    # the message of the ATen spelling's single assert (ops/_checks.py::_ALL)
     tl.device_assert(ok, "hstu attention: invalid jagged inputs (need offsets[0]=0, non-decreasing, offsets[-1]=L, "
                      "lengths <= max_seq_len, 0 <= num_targets <= length); config.check_inputs='always' names "
                      "the failed one")
@@ -50,6 +47,10 @@ def check_jagged(offsets, total_len: int, max_seq_len: int, num_targets=None, mi
     ``length >= min_length``. ``offsets``: 1-D int32/int64 (``B + 1 >= 1`` entries, contiguous);
     ``num_targets``: ``[B]`` integers on the same device, or None. Launched directly (plain eager only).
     ``ok_out`` (tests): an int32 tensor of ``grid`` entries, set to 1 where a program's checks held."""
+    dev = offsets.device
+    if dev.type == "cuda" and dev.index != torch.cuda.current_device():  # Triton launches on the current device
+        with torch.cuda.device(dev):
+            return check_jagged(offsets, total_len, max_seq_len, num_targets, min_length, ok_out)
     B = offsets.shape[0] - 1
     grid = (max(1, (B + _BLOCK - 1) // _BLOCK),)  # B == 0 still checks offsets[0] == 0 == L; not triton.cdiv: ~5 us
     _check_jagged_kernel[grid](offsets, num_targets if num_targets is not None else offsets, ok_out, B,
