@@ -7,10 +7,14 @@ PYTEST_ARGS ?= -m "not slow and not gpu"
 PYTEST_WORKERS ?= auto
 PYTEST_OPTS = -q -n $(PYTEST_WORKERS) --durations=25
 
-.PHONY: train test test-fast test-inductor durations setup setup-test bench-attention clean
+.PHONY: train train-rab test test-fast test-inductor durations setup setup-test setup-examples bench-attention clean
 
-train: setup
+train: setup-examples
 	$(PY) examples/train_hstu.py $(ARGS)
+
+# The same job for an HSTU model with the original relative attention bias (examples/train_hstu_rab.py).
+train-rab: setup-examples
+	$(PY) examples/train_hstu_rab.py $(ARGS)
 
 test: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) $(PYTEST_ARGS)
@@ -38,5 +42,9 @@ setup:
 setup-test:
 	scripts/setup_env.sh --test
 
+# setup plus the examples' optional extras (tqdm, matplotlib), skipped if they cannot be installed
+setup-examples:
+	scripts/setup_env.sh --examples
+
 clean:
-	rm -rf .venv build *.egg-info .pytest_cache .durations.log
+	rm -rf .venv build *.egg-info .pytest_cache .durations.log train_hstu_loss.png train_hstu_rab_loss.png

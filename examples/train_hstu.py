@@ -7,7 +7,9 @@
 
 The model (``hstu_inductor.reference.HSTUModel``) is written with plain torch ops; the backend
 has to find its HSTU subgraphs on its own. The script prints what was rewritten, checks the
-first step's loss and gradients against eager, then trains and prints the loss curve.
+first step's loss and gradients against eager, then trains (a tqdm bar) and writes the loss curve
+to a PNG (matplotlib). Both extras are optional (``pip install -e .[examples]``; ``make train``
+installs them when it can): without them progress and the curve's summary are logged.
 
 With ``--ddp`` the model is wrapped in ``DistributedDataParallel`` (gloo on CPU, NCCL on CUDA),
 each rank trains on its own batches, and the report and the eager check cover the DDP-wrapped
@@ -19,81 +21,13 @@ import argparse
 import copy
 import math
 import os
-import sys
-import time
 
 import torch
-import torch.nn.functional as F
 
 import hstu_inductor
+from _common import next_item_loss, progress, rel_err, save_loss_curve, setup_logging, synthetic_batch
 from hstu_inductor.reference import HSTUModel
 from hstu_inductor.report import collecting
-
-
-def synthetic_batch(gen, batch_size, max_seq_len, num_items, device, noise=0.1):
-    """Jagged sequences from a hidden Markov rule ``next = (a * item + b) % num_items`` with noise.
-
-    Lengths are uniform in [max_seq_len // 2, max_seq_len]; returns (item_ids [L], offsets [B+1]).
-    """
-    lengths = torch.randint(max_seq_len // 2, max_seq_len + 1, (batch_size,), generator=gen)
-    offsets = torch.zeros(batch_size + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    seqs = []
-    for n in lengths.tolist():
-        seq = torch.empty(n, dtype=torch.int64)
-        seq[0] = torch.randint(0, num_items, (1,), generator=gen)
-        for i in range(1, n):
-            if torch.rand((), generator=gen) < noise:
-                seq[i] = torch.randint(0, num_items, (1,), generator=gen)
-            else:
-                seq[i] = (7 * seq[i - 1] + 3) % num_items
-        seqs.append(seq)
-    return torch.cat(seqs).to(device), offsets.to(device)
-
-
-def next_item_loss(logits, item_ids, offsets):
-    """Cross entropy of predicting item i+1 from position i, inside each sequence."""
-    L = item_ids.shape[0]
-    is_last = torch.zeros(L, dtype=torch.bool, device=item_ids.device)
-    is_last[(offsets[1:] - 1).clamp(min=0)] = True
-    keep = ~is_last
-    keep[L - 1] = False
-    targets = torch.roll(item_ids, -1)
-    return F.cross_entropy(logits[keep], targets[keep])
-
-
-class Progress:
-    """A dependency-free progress bar on stderr."""
-
-    def __init__(self, total, width=30):
-        self.total, self.width, self.start = total, width, time.perf_counter()
-
-    def update(self, step, loss):
-        done = int(self.width * step / self.total)
-        rate = step / max(time.perf_counter() - self.start, 1e-9)
-        sys.stderr.write(f"\r[{'#' * done}{'.' * (self.width - done)}] {step}/{self.total} "
-                         f"loss {loss:.4f} {rate:.2f} step/s")
-        sys.stderr.flush()
-        if step == self.total:
-            sys.stderr.write("\n")
-
-
-def plot_curve(losses, height=8, width=60):
-    """ASCII loss curve: one column per (sampled) step, a '*' at the loss's row."""
-    if not losses:
-        return ""
-    cols = [losses[int(i * len(losses) / min(width, len(losses)))] for i in range(min(width, len(losses)))]
-    lo, hi = min(cols), max(cols)
-    span = (hi - lo) or 1.0
-    level = [round((hi - c) / span * (height - 1)) for c in cols]
-    rows = [f"{hi - span * r / (height - 1):8.3f} |" + "".join("*" if lv == r else " " for lv in level)
-            for r in range(height)]
-    rows.append(" " * 9 + "+" + "-" * len(cols) + f"> step 1..{len(losses)}")
-    return "\n".join(rows)
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def main(argv=None):
@@ -112,6 +46,9 @@ def main(argv=None):
     p.add_argument("--ddp", type=int, nargs="?", const=0, default=None, metavar="N",
                    help="DistributedDataParallel: spawn N local processes, or (no N) join the torchrun job")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size (with --ddp)")
+    p.add_argument("--loss-png", default="train_hstu_loss.png", help="loss curve PNG (needs matplotlib; '' for none)")
+    p.add_argument("--backend", default="hstu", choices=["hstu", "hstu_eager"],
+                   help="hstu_eager: the same rewrites run op by op, no Inductor code generation (quick checks)")
     args = p.parse_args(argv)
     if args.steps < 10:  # the check compares the first 5 steps' loss with the last 5's
         p.error(f"--steps must be at least 10 (got {args.steps}): the run passes when the mean loss of the "
@@ -149,6 +86,7 @@ def train(args, distributed=False):
     """Single-process training, or one rank of DDP training (process group from the environment)."""
     import torch.distributed as dist
 
+    setup_logging()  # the extras' fallback lines (also in spawned ranks)
     rank = 0
     dev = torch.device(args.device)
     if distributed:
@@ -172,12 +110,12 @@ def train(args, distributed=False):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         eager = DDP(copy.deepcopy(model), bucket_cap_mb=args.bucket_cap_mb)  # the reference: eager DDP
-        compiled = torch.compile(DDP(model, bucket_cap_mb=args.bucket_cap_mb), backend="hstu")
+        compiled = torch.compile(DDP(model, bucket_cap_mb=args.bucket_cap_mb), backend=args.backend)
     else:
         eager = model
-        say(hstu_inductor.explain(model, ids, offsets))
+        say(hstu_inductor.explain(model, ids, offsets, backend=args.backend))
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="hstu")
+        compiled = torch.compile(model, backend=args.backend)
 
     # First step: compiled loss and gradients must match eager on the same batch and weights.
     with collecting() as report:  # under DDP: what the DDP-split compile rewrote
@@ -202,7 +140,7 @@ def train(args, distributed=False):
 
     say(f"\n== training {args.steps} steps ==")
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    losses, bar = [], Progress(args.steps) if rank == 0 else None
+    losses, bar = [], progress(args.steps, disable=rank != 0)
     for step in range(1, args.steps + 1):
         ids, offsets = synthetic_batch(gen, args.batch_size, args.max_seq_len, args.num_items, dev)
         loss = next_item_loss(compiled(ids, offsets), ids, offsets)
@@ -210,9 +148,11 @@ def train(args, distributed=False):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        if bar is not None:
-            bar.update(step, losses[-1])
-    say(plot_curve(losses))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        bar.update(1)
+    bar.close()
+    if rank == 0 and save_loss_curve(losses, args.loss_png, f"HSTUModel, backend={args.backend!r}"):
+        say(f"loss curve: {args.loss_png}")
     first, last = sum(losses[:5]) / min(5, len(losses)), sum(losses[-5:]) / min(5, len(losses))
     say(f"loss: first 5 steps {first:.4f} -> last 5 steps {last:.4f} (uniform guess {math.log(args.num_items):.4f})")
     if distributed:

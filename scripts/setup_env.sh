@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Create ./.venv with everything hstu-inductor needs on a fresh machine (CPU, no GPU).
-# Usage: scripts/setup_env.sh [--test]   (--test adds pytest, pytest-xdist, expecttest, hypothesis, tqdm, fbgemm)
+# Usage: scripts/setup_env.sh [--test | --examples]
+#   --test adds pytest, pytest-xdist, expecttest, hypothesis, tqdm, fbgemm;
+#   --examples adds the examples' optional extras tqdm and matplotlib (about 5 s from a local index; if
+#   they cannot be installed, e.g. offline, the examples log progress and the loss summary instead).
 # Every `make test` runs this: on a ready .venv it is one Python probe (a few seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 want_test=0; [ "${1:-}" = "--test" ] && want_test=1
+want_examples=0; [ "${1:-}" = "--examples" ] && want_examples=1
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
@@ -15,7 +19,7 @@ quiet() { grep -v -e "is ignored: it is neither" -e "^$" || true; }
 # One probe (importing torch once) names what is missing: torch (>=2.11), triton, numpy, the test
 # tools, fbgemm, and the editable install of this checkout (its "hstu" and "hstu_eager"
 # torch_dynamo_backends entry points).
-missing=$("$VENV/bin/python" - <<'PROBE' 2>/dev/null || echo "torch triton numpy tools fbgemm editable"
+missing=$("$VENV/bin/python" - <<'PROBE' 2>/dev/null || echo "torch triton numpy tools extras fbgemm editable"
 import importlib.util as u, os, sys
 out = []
 try:
@@ -27,6 +31,8 @@ except ImportError:
 out += [m for m in ("triton", "numpy") if u.find_spec(m) is None]
 if any(u.find_spec(m) is None for m in ("pytest", "xdist", "expecttest", "hypothesis", "tqdm")):
     out.append("tools")
+if any(u.find_spec(m) is None for m in ("tqdm", "matplotlib")):
+    out.append("extras")
 try:
     import fbgemm_gpu  # noqa: F401
 except Exception:
@@ -54,6 +60,12 @@ needs triton && want+=(triton==3.6.0)
 if [ ${#want[@]} -gt 0 ]; then
   echo "[setup] installing ${want[*]}"
   pip install -q --no-compile "${want[@]}" 2>&1 | quiet
+fi
+# The examples' extras are optional: a failed install (offline, no wheel) leaves the fallback.
+if [ $want_examples = 1 ] && needs extras; then
+  echo "[setup] installing tqdm matplotlib (optional extras of the examples)"
+  pip install -q --no-compile tqdm matplotlib 2>&1 | quiet \
+    || echo "[setup] tqdm/matplotlib unavailable; the examples log progress and the loss summary instead"
 fi
 # fbgemm is optional for users; the fbgemm spelling tests use it when it imports (--no-deps: it
 # would otherwise pull its own torch).

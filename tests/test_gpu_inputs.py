@@ -214,3 +214,24 @@ def test_auto_mode_device_assert(compiled, tmp_path):
     assert "NOT CAUGHT" not in proc.stdout
     assert proc.returncode != 0
     assert "assert" in proc.stderr.lower(), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", list(EDGES))
+def test_eager_auto_checks_in_one_launch(name, monkeypatch):
+    """Issue 22: a plain eager CUDA call checks its jagged inputs with the one fused kernel
+    (kernels/checks.py), which passes every valid edge input; its device-assert path is
+    test_auto_mode_device_assert[eager_op]."""
+    import importlib
+
+    checks = importlib.import_module("hstu_inductor.ops._checks")
+    real, calls = checks.fused_check(), []
+    monkeypatch.setattr(checks, "fused_check", lambda: lambda *a: (calls.append(a), real(*a)))
+    lengths, N, nt = EDGES[name]
+    q, k, v, off = _inputs(lengths, torch.bfloat16, seed=5)
+    nt = None if nt is None else torch.tensor(nt, device="cuda", dtype=torch.int64)
+    with hstu_inductor.config.patch(check_inputs="auto"):
+        out = torch.ops.hstu.attention(q, k, v, off, N, 0.1, nt, None, 0, 0, 0, True)
+    torch.cuda.synchronize()
+    assert len(calls) == 1
+    ref = hstu_mha(N, 0.1, q.float(), k.float(), v.float(), off, num_targets=nt)
+    _compare(out.float(), ref, TOL[torch.bfloat16])

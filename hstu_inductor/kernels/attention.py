@@ -1112,7 +1112,33 @@ def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, k
     if log.isEnabledFor(logging.DEBUG):
         log.debug("hstu %s launch: configs=%s, constexprs=%s, int args=%s", kind, size,
                   {k: v for k, v in kwargs.items()}, [a for a in args if isinstance(a, (int, float))])
-    _launcher(kern, args)[lambda meta: (grid_x * triton.cdiv(grid_rows, meta[row_block]),)](*args, **kwargs)
+    if not _compat.plain_eager(*args):  # traced: wrap_triton records the launch, Autotuner included
+        _launcher(kern, args)[lambda meta: (grid_x * triton.cdiv(grid_rows, meta[row_block]),)](*args, **kwargs)
+        return
+    key = (kern, *(args[i] for i in _key_positions(kind, len(args))),
+           *(a.dtype for a in args if isinstance(a, torch.Tensor)), *kwargs.items())
+    cfg = _CHOSEN.get(key)
+    if cfg is None:  # first launch of this key: the Autotuner picks (and benchmarks, when tuning)
+        kern[lambda meta: (grid_x * triton.cdiv(grid_rows, meta[row_block]),)](*args, **kwargs)
+        _CHOSEN[key] = kern.best_config.all_kwargs()
+        return
+    rb = cfg[row_block]  # (a + b - 1) // b: triton.cdiv costs ~5 us (see _pow2)
+    _JIT[kind].run(*args, grid=(grid_x * ((grid_rows + rb - 1) // rb),), warmup=False, **kwargs, **cfg)
+
+
+# Plain eager launches skip the Autotuner once it has picked a config for their key: its run() rebuilds
+# the key from every argument on each call (dicts of ~45 arguments, list lookups, str() of every tensor's
+# dtype), tens of microseconds of host time per launch (issue 22). Our key holds the Autotuner's (the
+# _KEY arguments and the tensors' dtypes) and all constexprs, so a hit launches the config it would.
+_CHOSEN: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _key_positions(kind: str, nargs: int) -> tuple:
+    """Positions in a launch's ``args`` of the _KEY arguments passed positionally (the rest are constexprs,
+    part of the key through ``kwargs``)."""
+    names = _JIT[kind].arg_names
+    return tuple(names.index(k) for k in _KEY if names.index(k) < nargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1193,7 +1219,8 @@ def _ensure_allocator():
 
 
 def _device_ctx(device):
-    if device.type == "cuda":
+    # entering torch.cuda.device costs two device switches per call: skip it when already current
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 
@@ -1202,6 +1229,8 @@ _new = new_tensor
 
 
 def _block_d(d: int) -> int:
+    if type(d) is int:
+        return max(16, _pow2(d))
     return max(16, triton.next_power_of_2(d))
 
 
@@ -1296,7 +1325,15 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len):
 def _n_bucket(max_seq_len) -> int:
     """The autotuning key for N (power of two); unused by the kernels' arithmetic, so a symbolic N
     is keyed by its compile-time value without a guard."""
+    if type(max_seq_len) is int:  # eager calls: skip size_hint's import (host time, issue 22)
+        return _pow2(max_seq_len)
     return triton.next_power_of_2(_compat.size_hint(max_seq_len))
+
+
+@functools.lru_cache(maxsize=256)
+def _pow2(n: int) -> int:
+    # memoised: triton.next_power_of_2 / triton.cdiv are constexpr-function wrappers costing ~5 us a call
+    return triton.next_power_of_2(n)
 
 
 def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, intervals=None):
@@ -1372,8 +1409,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
     flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, intervals)
     bdq, bdv = _block_d(Dq), _block_d(Dv)
     args = (q, k, v, out, seq_offsets, num_targets, scale_t,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), stride_s,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_s,  # one call each: all are 3-D
             float(alpha), float(scale_const), 1.0,
             H, Dq, Dv, k.shape[0], max_seq_len, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
             _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows) + tab_args

@@ -29,6 +29,24 @@ def _load_stu():
     return stu_blocks
 
 
+@functools.cache
+def _load_checks():
+    try:
+        from ..kernels.checks import check_jagged
+    except Exception as e:  # same fallback: the ATen spelling of the checks (ops/_checks.py)
+        log.warning("hstu_inductor: fused check kernel unavailable (%s); input checks use ATen ops", e)
+        return None
+    return check_jagged
+
+
+def fused_check():
+    """``kernels.checks.check_jagged`` (all jagged value checks in one launch), or None when the Triton
+    kernels are disabled or unavailable."""
+    if config.kernels == "off":
+        return None
+    return _load_checks()
+
+
 def stu_kernels():
     """The fused STU block kernels module (:mod:`hstu_inductor.kernels.stu_blocks`), or None."""
     if config.kernels == "off":

@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from .. import config
+from .._compat import plain_eager
 from ..reference import (delta_hstu_mha, hstu_mha, hstu_mha_backward, relative_bias, relative_bias_backward,
                          validate_attention_inputs, validate_rab_intervals, validate_rab_tables)
 from ._checks import check_jagged_values
@@ -53,6 +54,29 @@ def _kernels_for(t: Tensor):
     return cuda_kernels() if t.device.type == "cuda" else None
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, w, c, f, causal) -> bool:
+    """True when a plain eager call passes every shape/dtype/device check of ``validate_attention_inputs``
+    (no rab/intervals), as plain Python compares: its ~25 ``torch._check`` calls cost ~20 us of host time
+    per call (issue 22). False (or traced, where the checks must stay ``torch._check``): the validators
+    run and name the problem."""
+    if not plain_eager(q, k, v, seq_offsets, num_targets, attn_scale):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    return (len(qs) == len(ks) == len(vs) == 3 and qs == ks and ks[:2] == vs[:2]
+            and q.dtype == k.dtype == v.dtype and q.is_floating_point()
+            and q.device == k.device == v.device == seq_offsets.device
+            and max_seq_len >= 1 and w >= 0 and c >= 0 and f >= 0
+            and (causal or (num_targets is None and w == 0 and c == 0 and f == 0))
+            and seq_offsets.dim() == 1 and seq_offsets.dtype in _INDEX_DTYPES and seq_offsets.shape[0] >= 1
+            and (num_targets is None or (num_targets.dim() == 1 and num_targets.shape[0] == seq_offsets.shape[0] - 1
+                                         and not num_targets.is_floating_point()))
+            and (attn_scale is None or attn_scale.numel() == 1
+                 or (attn_scale.dim() == 1 and attn_scale.shape[0] == qs[0])))
+
+
 @triton_op("hstu::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int, alpha: float,
               num_targets: Optional[Tensor] = None, attn_scale: Optional[Tensor] = None, max_attn_len: int = 0,
@@ -61,11 +85,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
               pos_w: Optional[Tensor] = None, ts_w: Optional[Tensor] = None) -> Tensor:
     """Jagged HSTU attention forward, ``[L, H, Dv]`` (see ``reference.hstu_mha``); the bias inside the silu is
     ``rab`` plus the table bias of ``timestamps``/``pos_w``/``ts_w`` (docs/semantics.md)."""
-    validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
-                              contextual_seq_len, min_full_attn_seq_len, causal=causal, check_values=False)
-    validate_rab_intervals(q, seq_offsets, max_seq_len, rab, intervals, num_targets, max_attn_len,
-                           contextual_seq_len, min_full_attn_seq_len)
-    validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w)
+    plain = rab is None and intervals is None and timestamps is None and pos_w is None and ts_w is None
+    if not (plain and _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
+                                       contextual_seq_len, min_full_attn_seq_len, causal)):
+        validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
+                                  contextual_seq_len, min_full_attn_seq_len, causal=causal, check_values=False)
+        validate_rab_intervals(q, seq_offsets, max_seq_len, rab, intervals, num_targets, max_attn_len,
+                               contextual_seq_len, min_full_attn_seq_len)
+        validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w)
     check_jagged_values(seq_offsets, k.shape[0], max_seq_len, num_targets)
     kern = _kernels_for(q)
     if kern is not None:
