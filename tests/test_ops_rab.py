@@ -249,7 +249,11 @@ def test_gpu_op_rab_intervals(compiled):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, raises=torch._dynamo.exc.BackendCompilerFailed,
+    reason="H100, torch 2.11, 2026-11-23: AOTAutograd copies back into pos_w as if a launch mutated it "
+           "('a leaf Variable that requires grad is being used in an in-place operation'); open in issue 21"))],
+    ids=["eager", "compiled"])
 def test_gpu_op_tables(compiled):
     """Path (b) through the op on the GPU (bf16 q/k/v, fp32 tables, int64 timestamps), eager and compiled,
     against the fp64 reference (``relative_bias`` + dense path); a dense [1, H] rab on top in one call."""
