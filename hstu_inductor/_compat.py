@@ -34,7 +34,20 @@ def trace_aten(fn, args, **_ignored) -> torch.fx.GraphModule:
     from torch._dispatch.python import enable_python_dispatcher
 
     with enable_python_dispatcher():
-        return make_fx(fn, tracing_mode="real")(*args)
+        return make_fx(fn, tracing_mode="real", decomposition_table=_RETRACE_DECOMPS)(*args)
+
+
+def _baddbmm_without_input(inp, b1, b2, *, beta=1, alpha=1):
+    """``baddbmm`` with ``beta == 0`` ignores its input (NaNs included): it is ``alpha * bmm`` exactly,
+    the spelling the finders know (scores as ``baddbmm(empty, q, k^T, beta=0, alpha=scale)``).
+    Anything else keeps the op (NotImplemented: make_fx records it as it is)."""
+    if isinstance(beta, (int, float)) and beta == 0:
+        out = torch.ops.aten.bmm.default(b1, b2)
+        return out if alpha == 1 else torch.ops.aten.mul.Tensor(out, alpha)
+    return NotImplemented
+
+
+_RETRACE_DECOMPS = {torch.ops.aten.baddbmm.default: _baddbmm_without_input}
 
 
 def njt_view_target():
