@@ -289,7 +289,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         if chosen is None:  # every parameter set that fits probe 0; the later probes tell them apart
             alpha, c0, fits = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
                                    plan.num_targets is not None)
-            chosen = alpha, c0, [constant_params(f, ksyms, binding) for f in fits]
+            chosen = alpha, c0, [r for f in fits for r in constant_params(f, ksyms, binding)]
         alpha, c0, fits = chosen
         if sym_n:  # the constant may scale with N (1/N): fitted per probe, its N-law checked below
             try:
@@ -335,7 +335,13 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                     raise
                 post_ok = list(post).index(m.node)  # leave it (and what follows) to the user
 
-    alpha, c0, (params, *_) = chosen
+    alpha, c0, fits = chosen
+    real = {sym_expr(meta_val(n)): int(str(n.target)[len(CONST_PREFIX):]) for n in gm.graph.find_nodes(op="placeholder")
+            if str(n.target).startswith(CONST_PREFIX) and isinstance(meta_val(n), torch.SymInt)}
+    at_real = {tuple(int(sympy.sympify(x).subs(real)) if isinstance(x, sympy.Expr) else x for x in f) for f in fits}
+    if len(at_real) > 1:  # readings the probes could not tell apart give different masks at the real constants
+        raise Decline(f"attention mask parameters are ambiguous: {sorted(at_real)} all fit every probe")
+    params = fits[0]
     plan.alpha = float(alpha * q.factor * k.factor)
     plan.params = params
     kept = [*pre.values(), *list(post.values())[:post_ok]]
@@ -374,19 +380,16 @@ def _const_value(i, p) -> int:
     return 3 + 8 * i + p % 3
 
 
-def constant_params(params, ksyms, binding) -> tuple:
-    """The fitted mask parameters, each a mask constant's symbol plus an offset in ``_CONST_SPAN``
-    where its value says so:
-    checked at every other probe, where the constants take other values."""
-    out = [params[0]]
+def constant_params(params, ksyms, binding) -> list:
+    """Readings of the fitted mask parameters: each one either the literal it was fitted as, or a mask
+    constant's symbol plus an offset in ``_CONST_SPAN`` where its value allows that (a contextual
+    prefix of 2 kept literal next to a window symbol at 3 fits both ways at probe 0). Every reading
+    is checked at the other probes, where the constants take other values; the symbolic ones first."""
+    options = [[params[0]]]
     for x in params[1:]:
-        for k in ksyms:
-            d = x - concrete(k, binding)
-            if x > 0 and d in _CONST_SPAN:
-                x = k + d
-                break
-        out.append(x)
-    return tuple(out)
+        opts = [k + (x - concrete(k, binding)) for k in ksyms if x > 0 and x - concrete(k, binding) in _CONST_SPAN]
+        options.append(opts + [x])
+    return [tuple(r) for r in itertools.product(*options)]
 
 
 def probe_ns(plan, base, floats, ints, B, L) -> list:
