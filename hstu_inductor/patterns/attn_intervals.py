@@ -22,8 +22,8 @@ import math
 import torch
 
 from . import attn_layout as lay
-from .attn_find import is_int_tensor, meta_val
-from .prover import Decline, concrete
+from .attn_find import is_int_tensor, meta_val, size_hint
+from .prover import Decline, concrete, is_static
 
 aten = torch.ops.aten
 
@@ -65,7 +65,7 @@ def _dims(shape, rows, H):
     """``(row dim, field dim, head dim or None)`` of an interval tensor of ``shape``, else None."""
     if len(shape) not in (2, 3):
         return None
-    row = [d for d, s in enumerate(shape) if lay.eq(s, rows)]
+    row = [d for d, s in enumerate(shape) if _same_rows(s, rows)]
     if len(row) != 1:
         return None
     rest = [d for d in range(len(shape)) if d != row[0]]
@@ -80,6 +80,14 @@ def _dims(shape, rows, H):
     if not (lay.eq(shape[head], 1) or lay.eq(shape[head], H)):
         return None
     return row[0], field, head
+
+
+def _same_rows(s, rows) -> bool:
+    """``s`` is the jagged row count: the same size, or (an input marked dynamic on its own) another
+    symbol with the same hint (the proof binds it to the probe's rows)."""
+    if lay.eq(s, rows):
+        return True
+    return not is_static(s) and not is_static(rows) and size_hint(s) == size_hint(rows)
 
 
 def binding_pairs(iv: Intervals | None, Lp: int) -> list:
