@@ -8,7 +8,7 @@ from the offsets and num_targets).
 
 Found structurally (:func:`find_intervals`: the integer tensor of such a shape nearest to the mask
 on the score chain), cut out of the chain and bound to fresh random triples (ordered or not, in
-``[0, N + 1]``, per head when it has heads); the scores must then equal
+``[-1, N + 2]``, per head when it has heads); the scores must then equal
 ``interval_mask * c * s * silu(...)`` on every probe (:func:`mask_at`). Whatever computed the real
 tensor, the user's decoding of it is what is proven, so an interval tensor computed for SLA, for
 NVIDIA's arbitrary mask or by hand is rewritten alike. The op takes the user's tensor as
@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from ..reference import interval_mask
 from . import attn_layout as lay
 from .attn_find import is_int_tensor, meta_val, size_hint
 from .prover import Decline, concrete, is_static
@@ -98,12 +99,14 @@ def binding_pairs(iv: Intervals | None, Lp: int) -> list:
 
 
 def bind(iv: Intervals | None, env: dict, binding: dict, gen, Np: int) -> None:
-    """Fresh random triples in ``[0, N + 1]`` (ordered or not), in the interval tensor's layout."""
+    """Fresh random triples in ``[-1, N + 2]`` (ordered or not), in the interval tensor's layout."""
     if iv is None:
         return
     shape = [concrete(s, binding) for s in meta_val(iv.node).shape]
     Lp = shape[iv.row_dim]
-    canon = torch.randint(0, Np + 2, (iv.heads, Lp, FIELDS), generator=gen, dtype=torch.int64)
+    # the op's set formula holds for any ints: probe a little outside [0, N] too (a decode that
+    # clamps or reorders the triples is not the op's)
+    canon = torch.randint(-1, Np + 3, (iv.heads, Lp, FIELDS), generator=gen, dtype=torch.int64)
     iv.probe = canon
     # canonical dims (heads, rows, fields) -> the tensor's own order
     order = [iv.head_dim, iv.row_dim, iv.field_dim]
@@ -115,8 +118,6 @@ def bind(iv: Intervals | None, env: dict, binding: dict, gen, Np: int) -> None:
 
 def mask_at(iv: Intervals, off, Np, crd, head_modes, shape):
     """The interval mask (``reference.interval_mask``) at the score positions ``crd``."""
-    from ..reference import interval_mask
-
     m = interval_mask(iv.probe, off, Np)  # [B, heads, N, N]
     h = 0
     if iv.heads > 1:

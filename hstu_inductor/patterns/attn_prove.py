@@ -316,7 +316,8 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
             consts.append((Np, c0, binding))
         def holds(params):
             params = tuple(concrete(x, binding) if isinstance(x, sympy.Expr) else x for x in params)
-            mref = iv_mask if iv_mask is not None else reference_mask(lens, Np, targets, params)[bb, ii, jj].expand(X.shape)
+            mref = iv_mask if iv_mask is not None else \
+                reference_mask(lens, Np, targets, params)[bb, ii, jj].expand(X.shape)
             expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
             return close(torch.where(in_seq, X, 0.0), torch.where(in_seq, expect, 0.0))
 
