@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import hstu_inductor
 import hstu_inductor.ops.attention  # noqa: F401
-from hstu_inductor import _compat
+from hstu_inductor import _compat, reference
 from hstu_inductor.patterns import run_rewriters
 from hstu_inductor.report import collecting
 
@@ -130,6 +130,8 @@ MASKS = {
     "targets_window": lambda o, nt: hstu_mask(o, nt, w=4),
     "contextual_targets": lambda o, nt: hstu_mask(o, nt, c=3),
     "none": lambda o, nt: None,  # non-causal: only the padding (zero rows of v) bounds it
+    # the reference's own mask builder: window 4 with min_full_attn_seq_len 3 and targets
+    "window_min_full": lambda o, nt: reference.hstu_mask(lengths_of(o), N, nt, 4, 0, 3),
 }
 
 
@@ -193,6 +195,12 @@ class RabModel(torch.nn.Module):
             return _core(q, k, v, offsets, nt, both, mask, where="sigmoid")
         if sp == "bmm_flat":
             return _bmm_flat(q, k, v, offsets, nt, rel, mask)
+        if sp == "key_recency_b11n":  # [B, 1, 1, N]: a per-key bias broadcast over the queries
+            def recency():
+                tsp = pad(ts, offsets)
+                age = (tsp.amax(dim=1, keepdim=True) - tsp) / 3600.0
+                return self.ts_w[0] * torch.log1p(age)[:, None, None, :]
+            return _core(q, k, v, offsets, nt, recency, mask)
         raise ValueError(sp)
 
 
@@ -254,6 +262,8 @@ RAB_CASES = [  # (spelling, mask): every spelling once, every mask option at lea
     ("pos_embedding_nn", "causal"),
     ("pos_plus_ts_sigmoid", "contextual_targets"),
     ("bmm_flat", None),
+    ("hstu_rel_alpha_after", "window_min_full"),
+    ("key_recency_b11n", "causal"),
 ]
 
 
@@ -263,7 +273,8 @@ def test_rab_rewritten_equal_to_eager(spelling, mask, fresh_dynamo):
     assert "rab=" in report.details[0][1], report.details
 
 
-@pytest.mark.parametrize("spelling", ["hstu_rel", "pos_plus_ts_sigmoid", "head_bias_inside_alpha"])
+@pytest.mark.parametrize("spelling", ["hstu_rel", "pos_plus_ts_sigmoid", "head_bias_inside_alpha",
+                                      "key_recency_b11n"])
 def test_rab_training_gradients_reach_tables(spelling, fresh_dynamo):
     """Outputs and gradients of q, k, v, pos_w, ts_w and the dense head bias equal eager's."""
     _compile_check(RabModel(spelling, "targets_window"), train=True)
@@ -275,16 +286,26 @@ def test_rab_dynamic_true(fresh_dynamo):
     assert report.graphs == 1 and "rab=" in report.details[0][1]
 
 
-def test_rab_graph_arguments():
-    """The op receives the user's bias as ``[B|1, H|1, N, N]`` and alpha from the graph."""
+GRAPH_CASES = [  # (spelling, rab shape the op gets, whether that is an expand of the user's bias)
+    ("head_bias_inside_alpha", (1, H, N, N), False),
+    ("key_recency_b11n", (len(LENGTHS), 1, N, N), True),
+    ("pos_embedding_nn", (1, 1, N, N), False),
+    ("bmm_flat", (len(LENGTHS), H, N, N), False),
+]
+
+
+@pytest.mark.parametrize("spelling,shape,expanded", GRAPH_CASES, ids=[c[0] for c in GRAPH_CASES])
+def test_rab_graph_arguments(spelling, shape, expanded):
+    """The op receives the user's bias as ``[B|1, H|1, N, N]`` (broadcast over queries or keys by an
+    ``expand``, never copied) and alpha from the graph."""
     from test_attention_helpers import rewritten_graph
 
-    model = RabModel("head_bias_inside_alpha", "causal")
-    args = make_args(LENGTHS)
-    gm, report = rewritten_graph(model, *args)
+    model = RabModel(spelling, "causal")
+    gm, report = rewritten_graph(model, *make_args(LENGTHS))
     (op,) = _ops(gm)
     rab = op.args[12]
-    assert tuple(rab.meta["val"].shape) == (1, H, N, N), rab.meta["val"].shape
+    assert tuple(rab.meta["val"].shape) == shape, rab.meta["val"].shape
+    assert (rab.target is torch.ops.aten.expand.default) == expanded, rab.format_node()
     assert op.args[5] == pytest.approx(ALPHA) and op.args[13] is None
 
 
@@ -600,3 +621,16 @@ def test_sla_window_1024_production_size_fake():
     iv = op.args[13].meta["val"]
     assert op.args[4] == n and tuple(iv.shape) == (1, 128 * n - 3 * n // 2, 3), iv.shape
     print(f"\nSLA k1=1024 at B=128, N=4096: {secs:.2f} s; {report.details}")
+
+
+@needs_fbgemm
+def test_sla_int32_offsets(fresh_dynamo):
+    """TorchEasyRec's offsets are int32 (fbgemm's complete cumsum): same rewrite, eager-equal."""
+    model = SLAModel(3, 2, 3, True)
+    compiled = torch.compile(model, backend=REWRITE_BACKEND)
+    with collecting() as report, torch.no_grad():
+        for seed, lens in ((1, LENGTHS), (2, LENGTHS2)):
+            q, k, v, offsets, nt, ts = make_args(lens, seed=seed)
+            args = (q, k, v, offsets.to(torch.int32), nt.to(torch.int32), ts)
+            torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-4, atol=1e-5)
+    assert report.counts["attention"] == report.graphs and not _misses(report), report
