@@ -255,10 +255,13 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
             # (all candidates have the source's rows, so ``L`` is the same for them)
             leaves = {source_candidates(x.D)[-1] for x in (q, k, v)}
             what = f"at N={Np} (a constant of the score subgraph)" if sym_n else "at these static sizes"
-            raise TooLarge(f"too large to prove numerically {what} ({cost:.2g} elements per probe)",
+            err = TooLarge(f"too large to prove numerically {what} ({cost:.2g} elements per probe)",
                            plan=plan, last=list(post)[-1] if post else plan.out, B=Bs, N=N if isinstance(N, int) else None,
                            L=Ls, descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
                            lengths=plan.lengths, leaves=leaves)
+            # a bias / interval tensor stays an input of the generalised copy (probed, never generalised)
+            err.sizes.cut = {**attn_bias.cut_sizes(plan), **attn_intervals.cut_sizes(plan)}
+            raise err
 
         # pads
         check_pads(gm, pads, env0, binding, off, Np, gen)
