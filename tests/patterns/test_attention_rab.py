@@ -688,3 +688,28 @@ def test_generalised_proof_spliced_equal_to_eager(kind, monkeypatch, fresh_dynam
     grad = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def _rab_n(q, k, v, offsets, ts, pos_w, ts_w, n, kind):
+    return _ProdRab(n, kind)(q, k, v, offsets, ts, pos_w, ts_w)
+
+
+def _sla_n(q, k, v, offsets, nt, n):
+    return _ProdSLA(n, 3, 2)(q, k, v, offsets, nt)
+
+
+@pytest.mark.parametrize("kind", ["hstu_rel", "gr_pad_repeat", "sla"])
+def test_symbolic_max_len_equal_to_eager(kind, fresh_dynamo):
+    """``N`` passed as an int that changes between calls (symbolic after one recompile; the tables
+    change size with it): both graphs rewritten, the op gets the runtime N, eager-equal."""
+    fn = _sla_n if kind == "sla" else _rab_n
+    compiled = torch.compile(fn, backend=REWRITE_BACKEND)
+    with collecting() as report, torch.no_grad():
+        for n, lens in ((16, [16, 0, 1, 9]), (20, [20, 3, 7, 1]), (24, [1, 2, 24, 5])):
+            q, k, v, offsets, nt, ts = make_args(lens, seed=n)
+            g = torch.Generator().manual_seed(n)
+            pos_w, ts_w = torch.randn(2 * n - 1, generator=g), torch.randn(NUM_BUCKETS + 1, generator=g)
+            args = (q, k, v, offsets, nt, n) if kind == "sla" else (q, k, v, offsets, ts, pos_w, ts_w, n, kind)
+            torch.testing.assert_close(compiled(*args), fn(*args), rtol=1e-4, atol=1e-5)
+    assert report.counts["attention"] == report.graphs == 2 and not _misses(report), report
+    assert "(symbolic)" in report.details[1][1], report.details
