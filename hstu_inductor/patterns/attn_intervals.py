@@ -24,7 +24,7 @@ import torch
 from ..reference import interval_mask
 from . import attn_layout as lay
 from .attn_find import is_int_tensor, meta_val, size_hint
-from .prover import Decline, concrete, is_static
+from .prover import concrete, is_static
 
 aten = torch.ops.aten
 

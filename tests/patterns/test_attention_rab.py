@@ -713,3 +713,71 @@ def test_symbolic_max_len_equal_to_eager(kind, fresh_dynamo):
             torch.testing.assert_close(compiled(*args), fn(*args), rtol=1e-4, atol=1e-5)
     assert report.counts["attention"] == report.graphs == 2 and not _misses(report), report
     assert "(symbolic)" in report.details[1][1], report.details
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Whole STU stacks (public style, tests/patterns/public_style_models.py): every block rewritten
+# ---------------------------------------------------------------------------------------------
+class _StackWithExtras(torch.nn.Module):
+    """Two public-style STU layers whose attention carries an SLA interval mask built once per
+    forward and shared by the layers (TorchEasyRec's STUStack) or a per-layer HSTU rab (GR)."""
+
+    def __init__(self, kind, E=16):
+        super().__init__()
+        from public_style_models import PublicStyleLayer
+
+        self.kind = kind
+        self.layers = torch.nn.ModuleList(PublicStyleLayer(E, H, D, D, style="tzrec" if kind == "sla" else "gr")
+                                          for _ in range(2))
+        g = torch.Generator().manual_seed(7)
+        self.pos_w = torch.nn.ParameterList(torch.nn.Parameter(0.3 * torch.randn(2 * N - 1, generator=g))
+                                            for _ in range(2))
+        self.ts_w = torch.nn.ParameterList(torch.nn.Parameter(0.3 * torch.randn(NUM_BUCKETS + 1, generator=g))
+                                           for _ in range(2))
+
+    def forward(self, x, offsets, nt, ts):
+        from public_style_models import _fp32_layer_norm, output_block
+
+        func = sla_func(offsets, x.shape[0], nt, 3, 2, 0, H) if self.kind == "sla" else None
+        for idx, layer in enumerate(self.layers):
+            dt = x.dtype
+            normed = _fp32_layer_norm(x, layer.in_w.to(dt), layer.in_b.to(dt), layer.eps)
+            uvqk = torch.addmm(layer.uvqk_b.to(dt), normed, layer.uvqk_w.to(dt))
+            u, v, q, k = torch.split(uvqk, [H * D, H * D, H * D, H * D], dim=1)
+            u = F.silu(u)
+            q, k, v = q.view(-1, H, D), k.view(-1, H, D), v.view(-1, H, D)
+            if self.kind == "sla":
+                attn = sla_attention(q, k, v, offsets, func)
+            else:
+                qp, kp, vp = (pad(t, offsets) for t in (q, k, v))
+                s = torch.einsum("bnhd,bmhd->bhnm", qp, kp) * layer.alpha
+                s = F.silu(s + hstu_rel_bias(ts, offsets, self.pos_w[idx], self.ts_w[idx])) / N
+                attn = unpad(torch.einsum("bhnm,bmhd->bnhd", s * hstu_mask(offsets, nt)[:, None], vp),
+                             offsets, q.shape[0])
+            x = output_block(attn.reshape(-1, H * D), u, x, layer.out_nw.to(dt), layer.out_nb.to(dt),
+                             layer.out_w.to(dt), layer.eps, 0.0, self.training, layer.concat, False, H, D)
+        return x
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sla", marks=needs_fbgemm), "rab"])
+def test_stu_stack_every_block_rewritten_training(kind, fresh_dynamo):
+    """Attention (with intervals / rab), preprocess and output rewritten in both layers; training
+    outputs and every gradient (parameters, tables, x) equal eager's."""
+    model = _StackWithExtras(kind)
+    compiled = torch.compile(model, backend=REWRITE_BACKEND)
+    g = torch.Generator().manual_seed(8)
+    _, _, _, offsets, nt, ts = make_args(LENGTHS, seed=8)
+    x = torch.randn(int(offsets[-1]), 16, generator=g, requires_grad=True)
+    with collecting() as report:
+        got = compiled(x, offsets, nt, ts)
+    ref = model(x, offsets, nt, ts)
+    assert report.counts == {"attention": 2, "preprocess": 2, "output": 2}, report
+    assert all(("intervals=" if kind == "sla" else "rab=") in d for k, d in report.details if k == "attention")
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    leaves = [x, *model.parameters()]
+    grad = torch.randn_like(ref)
+    gots = torch.autograd.grad(got, leaves, grad, allow_unused=True)
+    refs = torch.autograd.grad(ref, leaves, grad, allow_unused=True)
+    for a, b in zip(gots, refs):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
