@@ -147,10 +147,20 @@ def prove(gm, S, pv) -> Plan:
     the more plausible reading."""
     first = looks_like_lengths(jagged_descriptor(find_operand(S.args[0], "q")))
     reason = None
-    def attempt(lengths, sources):
-        plan, sub = structure(S, pv, lengths, sources)
-        with past_pads(plan):
-            numeric_proof(gm, plan, sub)
+    def attempt(lengths, sources, intervals=True):
+        plan, sub = structure(S, pv, lengths, sources, intervals)
+        try:
+            with past_pads(plan):
+                numeric_proof(gm, plan, sub)
+        except Decline as e:
+            # the interval candidate is chosen by shape: an HSTU mask may read some other [L, 3]
+            # integer tensor; prove it again with that tensor left in the chain
+            if plan.intervals is None or isinstance(e, (PadMismatch, TooLarge)):
+                raise
+            try:
+                return attempt(lengths, sources, False)
+            except Decline:
+                raise e from None
         return plan
 
     for lengths in (first, not first):

@@ -405,11 +405,12 @@ def side_inputs(s_leaves, plan, batch: int, rows: int) -> tuple:
     return nt, scale_leaf
 
 
-def structure(S, pv, lengths, sources=None) -> tuple[Plan, Subgraphs]:
+def structure(S, pv, lengths, sources=None, intervals=True) -> tuple[Plan, Subgraphs]:
     """The structural proof of a full-attention candidate (``lengths``: read the jagged integer input
     as lengths): :func:`analyse`, then the score chain, its side inputs (num_targets, attn_scale),
     the output side (row scales, unpad) and that no intermediate is used outside the candidate.
-    Returns the plan and the subgraphs the numeric proof runs. Raises Decline."""
+    ``intervals=False``: no interval tensor is cut out of the score chain. Returns the plan and the
+    subgraphs the numeric proof runs. Raises Decline."""
     plan = analyse(S, pv, lengths, sources)
     N, B = plan.N, plan.B
     q, k, v = plan.q, plan.k, plan.v
@@ -431,7 +432,7 @@ def structure(S, pv, lengths, sources=None) -> tuple[Plan, Subgraphs]:
     # a bias added to the scores and an interval tensor read by the mask are cut out of the chain:
     # the proof binds them to probes (attn_bias, attn_intervals)
     plan.rab = attn_bias.find_bias(s_order, sderived, layouts, plan)
-    plan.intervals = attn_intervals.find_intervals(s_order, s_leaves, sderived, plan)
+    plan.intervals = attn_intervals.find_intervals(s_order, s_leaves, sderived, plan) if intervals else None
     cut = attn_bias.cut_nodes(plan.rab) | ({plan.intervals.node} if plan.intervals else set())
     if cut:
         s_order, s_leaves = closure([Xnode], {S, *cut})

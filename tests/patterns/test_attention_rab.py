@@ -781,3 +781,23 @@ def test_stu_stack_every_block_rewritten_training(kind, fresh_dynamo):
     for a, b in zip(gots, refs):
         if b is not None:
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def _row_info_mask(q, k, v, offsets, nt, ts):
+    """A causal HSTU mask read from a per-row ``[L, 3]`` integer tensor (sequence, position,
+    position) that is *not* an interval tensor: proven with it cut out (fails), then again with
+    it left in the chain (the HSTU mask)."""
+    L = q.shape[0]
+    seq, pos = _row_ids(offsets, L)
+    info = pad(torch.stack([seq, pos, pos], dim=-1), offsets)  # [B, N, 3]
+    col = torch.arange(N)
+    lens = lengths_of(offsets)[:, None, None]
+    mask = (col[None, None, :] <= info[..., 2:3]) & (col[None, None, :] < lens) & (col[None, :, None] < lens)
+    qp, kp, vp = (pad(t, offsets) for t in (q, k, v))
+    s = F.silu(ALPHA * torch.einsum("bnhd,bmhd->bhnm", qp, kp)) / N * mask[:, None]
+    return unpad(torch.einsum("bhnm,bmhd->bnhd", s, vp), offsets, L)
+
+
+def test_row_info_tensor_is_no_interval_tensor(fresh_dynamo):
+    report = _compile_check(_row_info_mask)
+    assert "intervals=" not in report.details[0][1], report.details
