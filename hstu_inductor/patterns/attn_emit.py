@@ -17,6 +17,7 @@ import operator
 import sympy
 import torch
 
+from . import attn_bias, attn_intervals
 from .attn_find import Operand, meta_val, op_name
 from .attn_layout import arg_value
 from .attn_structure import Plan, mode_key
@@ -118,9 +119,12 @@ def rewrite(gm, plan: Plan):
         scale = emit_scale(graph, plan, dtype, meta_val(q.src).device)
         causal, w, c, f = (emit_param(graph, x) for x in plan.params)
         plan.offsets_arg = emit_offsets(graph, plan)
-        y = emit_call(graph, torch.ops.hstu.attention.default,
-                  [q3, k3, v3, plan.offsets_arg, plan.N_arg, plan.alpha, plan.num_targets, scale, w, c, f,
-                   causal])
+        args = [q3, k3, v3, plan.offsets_arg, plan.N_arg, plan.alpha, plan.num_targets, scale, w, c, f, causal]
+        call = lambda t, a, kw=None: emit_call(graph, t, a, kw)  # noqa: E731
+        extra = [attn_bias.emit_rab(call, plan, plan.N_arg), attn_intervals.emit_intervals(call, plan)]
+        if any(x is not None for x in extra):  # graphs without rab / intervals keep the 12-argument call
+            args += extra
+        y = emit_call(graph, torch.ops.hstu.attention.default, args)
         replace_output(graph, plan, y, dtype)
 
 
@@ -229,6 +233,7 @@ def describe(plan: Plan) -> str:
         parts.append(f"contextual_seq_len={c}")
     if f:
         parts.append(f"min_full_attn_seq_len={f}")
+    parts += [x for x in (attn_bias.describe(plan), attn_intervals.describe(plan)) if x]
     pads = sorted({op_name(x.D) for x in (plan.q, plan.k, plan.v)})
     if any(x.narrows for x in (plan.q, plan.k, plan.v)):
         pads.append(f"feature slices of {'/'.join(sorted({x.D.name for x in (plan.q, plan.k, plan.v)}))}")

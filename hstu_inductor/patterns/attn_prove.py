@@ -25,6 +25,7 @@ import random
 import sympy
 import torch
 
+from . import attn_bias, attn_intervals
 from . import attn_layout as lay
 from .attn_find import (
     PadMismatch, find_operand, jagged_descriptor, looks_like_lengths, meta_val, retry_sources, source_candidates,
@@ -146,10 +147,20 @@ def prove(gm, S, pv) -> Plan:
     the more plausible reading."""
     first = looks_like_lengths(jagged_descriptor(find_operand(S.args[0], "q")))
     reason = None
-    def attempt(lengths, sources):
-        plan, sub = structure(S, pv, lengths, sources)
-        with past_pads(plan):
-            numeric_proof(gm, plan, sub)
+    def attempt(lengths, sources, intervals=True):
+        plan, sub = structure(S, pv, lengths, sources, intervals)
+        try:
+            with past_pads(plan):
+                numeric_proof(gm, plan, sub)
+        except Decline as e:
+            # the interval candidate is chosen by shape: an HSTU mask may read some other [L, 3]
+            # integer tensor; prove it again with that tensor left in the chain
+            if plan.intervals is None or isinstance(e, (PadMismatch, TooLarge)):
+                raise
+            try:
+                return attempt(lengths, sources, False)
+            except Decline:
+                raise e from None
         return plan
 
     for lengths in (first, not first):
@@ -240,6 +251,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                               f"(the probes cannot vary N alone)")
             pairs.append((N, Np))
         pairs += [(k, _const_value(i, p)) for i, k in enumerate(ksyms)]
+        pairs += attn_intervals.binding_pairs(plan.intervals, Lp)
         binding = solve_binding(pairs, base)
         off = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=meta_val(plan.offsets).dtype)
         lens = torch.tensor(lengths, dtype=torch.int64)
@@ -254,10 +266,13 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
             # (all candidates have the source's rows, so ``L`` is the same for them)
             leaves = {source_candidates(x.D)[-1] for x in (q, k, v)}
             what = f"at N={Np} (a constant of the score subgraph)" if sym_n else "at these static sizes"
-            raise TooLarge(f"too large to prove numerically {what} ({cost:.2g} elements per probe)",
+            err = TooLarge(f"too large to prove numerically {what} ({cost:.2g} elements per probe)",
                            plan=plan, last=list(post)[-1] if post else plan.out, B=Bs, N=N if isinstance(N, int) else None,
                            L=Ls, descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
                            lengths=plan.lengths, leaves=leaves)
+            # a bias / interval tensor stays an input of the generalised copy (probed, never generalised)
+            err.sizes.cut = {**attn_bias.cut_sizes(plan), **attn_intervals.cut_sizes(plan)}
+            raise err
 
         # pads
         check_pads(gm, pads, env0, binding, off, Np, gen)
@@ -272,6 +287,8 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         scale_probe = probe_scale(scale_leaf, binding, gen, env0)
         env = dict(env0)
         env[plan.S] = S_probe
+        attn_bias.bind(plan.rab, env, binding, gen)
+        attn_intervals.bind(plan.intervals, env, binding, gen, Np)
         env = evaluate(gm, s_order, env)
         X = env[plan.pv.args[0]]
         XLc = lay.concretize(layouts[plan.pv.args[0]], binding)
@@ -286,6 +303,19 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         if s_at is None:
             s_at = lay.gather(reference_pad(scale_probe, off, Np), (((Bp, "b", 1),), ((Np, "i", 1),)),
                               crd).expand(X.shape)
+        if plan.rab is not None:  # silu(a * S + b * R) == silu(a * (S + b/a * R)): fold the bias into S
+            R_at = attn_bias.at(plan.rab, env, binding, crd, X.shape)
+            if plan.rab.ratio is None:
+                attn_bias.fit_ratio(plan.rab, fit_alpha, X, S_at, R_at, s_at, (X != 0) & in_seq, alphas, floats)
+            S_at = S_at + plan.rab.ratio * R_at
+        iv_mask = None if plan.intervals is None else \
+            attn_intervals.mask_at(plan.intervals, off, Np, crd, plan.head_modes, X.shape)
+        if chosen is None and iv_mask is not None:
+            if not torch.equal(iv_mask & in_seq, (X != 0) & in_seq):
+                raise Decline(f"mask read from the interval tensor {plan.intervals.node.name} is not "
+                              f"[0, x0) | [x1, x2) per row (probe {p})")
+            alpha, c0 = fit_alpha(X, S_at, s_at, (X != 0) & in_seq, alphas)
+            chosen = alpha, c0, [(True, 0, 0, 0)]
         if chosen is None:  # every parameter set that fits probe 0; the later probes tell them apart
             alpha, c0, fits = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
                                    plan.num_targets is not None)
@@ -300,7 +330,8 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
             consts.append((Np, c0, binding))
         def holds(params):
             params = tuple(concrete(x, binding) if isinstance(x, sympy.Expr) else x for x in params)
-            mref = reference_mask(lens, Np, targets, params)[bb, ii, jj].expand(X.shape)
+            mref = iv_mask if iv_mask is not None else \
+                reference_mask(lens, Np, targets, params)[bb, ii, jj].expand(X.shape)
             expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
             return close(torch.where(in_seq, X, 0.0), torch.where(in_seq, expect, 0.0))
 
@@ -343,6 +374,8 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         raise Decline(f"attention mask parameters are ambiguous: {sorted(at_real)} all fit every probe")
     params = fits[0]
     plan.alpha = float(alpha * q.factor * k.factor)
+    if plan.rab is not None:
+        plan.rab.coeff = float(plan.rab.ratio * alpha)  # the op adds rab to alpha * qk: b * R
     plan.params = params
     kept = [*pre.values(), *list(post.values())[:post_ok]]
     if post_ok:

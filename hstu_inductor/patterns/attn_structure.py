@@ -26,6 +26,7 @@ from . import attn_layout as lay
 from .attn_find import (
     BMM, SOFTMAX, Operand, feature_slice, find_operand, is_float, jagged_descriptor, meta_val, op_name, size_hint,
 )
+from . import attn_bias, attn_intervals
 from .attn_rowscale import after_unpad, output_chain, unify_scales, unify_side
 from .prover import Decline, closure, is_static, sym_expr
 from .sizes import SIZE_READS, size_source
@@ -81,6 +82,8 @@ class Plan:
     Y: tuple = None              # layout of the value product's right operand (v)
     size_reads: list = dataclasses.field(default_factory=list)  # size reads re-pointed by the rewrite
     metadata_asserts: list = dataclasses.field(default_factory=list)  # export's asserts on replaced casts
+    rab: object = None           # attn_bias.Bias: tensors added to the scores before the activation
+    intervals: object = None     # attn_intervals.Intervals: the interval tensor the mask is decoded from
 
 
 
@@ -402,11 +405,12 @@ def side_inputs(s_leaves, plan, batch: int, rows: int) -> tuple:
     return nt, scale_leaf
 
 
-def structure(S, pv, lengths, sources=None) -> tuple[Plan, Subgraphs]:
+def structure(S, pv, lengths, sources=None, intervals=True) -> tuple[Plan, Subgraphs]:
     """The structural proof of a full-attention candidate (``lengths``: read the jagged integer input
     as lengths): :func:`analyse`, then the score chain, its side inputs (num_targets, attn_scale),
     the output side (row scales, unpad) and that no intermediate is used outside the candidate.
-    Returns the plan and the subgraphs the numeric proof runs. Raises Decline."""
+    ``intervals=False``: no interval tensor is cut out of the score chain. Returns the plan and the
+    subgraphs the numeric proof runs. Raises Decline."""
     plan = analyse(S, pv, lengths, sources)
     N, B = plan.N, plan.B
     q, k, v = plan.q, plan.k, plan.v
@@ -425,9 +429,20 @@ def structure(S, pv, lengths, sources=None) -> tuple[Plan, Subgraphs]:
     _, axv = feature_axes(v.src, "v")
     check_tiles(plan.v_head_modes + plan.e_modes, v.feat, axv, "value product")
 
+    # a bias added to the scores and an interval tensor read by the mask are cut out of the chain:
+    # the proof binds them to probes (attn_bias, attn_intervals)
+    plan.rab = attn_bias.find_bias(s_order, sderived, layouts, plan)
+    plan.intervals = attn_intervals.find_intervals(s_order, s_leaves, sderived, plan) if intervals else None
+    cut = attn_bias.cut_nodes(plan.rab) | ({plan.intervals.node} if plan.intervals else set())
+    if cut:
+        s_order, s_leaves = closure([Xnode], {S, *cut})
+        s_leaves = s_leaves - cut
+
     # side inputs of the score subgraph
     nt, scale_leaf = side_inputs(s_leaves, plan, batch_hint(plan), size_hint(meta_val(q.src).shape[0]))
     plan.num_targets = nt
+    if plan.intervals is not None and nt is not None:
+        raise Decline("mask reads an interval tensor and num_targets (intervals replace the HSTU mask)")
     chain_scale = scale_leaf is not None
 
     # ---- output side: O -> dense (-> row scales) -> unpad (-> row scales)

@@ -77,6 +77,10 @@ class Sizes:
     L: Optional[int] = None
     descriptor: Optional[str] = None  # name of the offsets / lengths placeholder
     lengths: bool = False
+    # tensors the proof binds to probes itself (a bias, an interval tensor): node (placeholder name once
+    # extracted) -> {dim: (atom "B" | "N" | "L", constant factor)}. They are inputs of the extracted
+    # copy, so what computes them is never generalised; their sizes are the atoms they stand for
+    cut: dict = dataclasses.field(default_factory=dict)
 
 
 
@@ -255,6 +259,8 @@ class _Generaliser:
             else:
                 O_sym = self._symint(sz.B + 1, "hstu_offsets").node.expr
                 B_sym = O_sym - 1
+        n_vals = [self._symint(n, f"hstu_N{i}") for i, n in enumerate(sz.Ns)]
+        atoms = {"B": B_sym, "L": L_sym, "N": n_vals[0].node.expr if n_vals else None}
         for p, v in zip(phs, vals):
             new = self.graph.placeholder(p.target)
             new.meta = {k: m for k, m in p.meta.items() if k not in ("val", "example_value", "tensor_meta")}
@@ -272,6 +278,8 @@ class _Generaliser:
                     elif O_sym is not None and is_int1d and d0 == sz.B + 1:
                         shape[0] = O_sym
                 stride = [gen(s) for s in v.stride()]
+                if sz.cut.get(p.name):
+                    shape, stride = _cut_shape(shape, v, sz.cut[p.name], atoms, self.hint)
                 with self.fake_mode:
                     val = torch.empty_strided([self._int_of(s) for s in shape], [self._int_of(s) for s in stride],
                                               dtype=v.dtype, device=v.device, requires_grad=v.requires_grad)
@@ -289,9 +297,8 @@ class _Generaliser:
                 val = v
             new.meta["val"] = val
             self.env[p] = new
-        for i, n in enumerate(sz.Ns):
+        for i, (n, val) in enumerate(zip(sz.Ns, n_vals)):
             ph = self.graph.placeholder(f"hstu_max_seq_len_{i}")
-            val = self._symint(n, f"hstu_N{i}")
             ph.meta["val"] = val
             self.sym_nodes[val.node.expr] = ph
             self.named_atoms.append((val.node.expr, n, "N"))
@@ -675,6 +682,23 @@ class _Generaliser:
         return forced
 
 
+def _cut_shape(shape, v, dims, atoms, hint):
+    """A cut tensor's shape with its atom dims symbolic (where the value agrees) and strides in its
+    own dim order (stride-0 dims stay broadcast)."""
+    shape = list(shape)
+    for d, (kind, factor) in dims.items():
+        atom = atoms.get(kind)
+        if atom is not None and shape[d].is_Integer and int(shape[d]) == hint(atom) * factor:
+            shape[d] = atom * factor
+    order = sorted(range(len(shape)), key=lambda d: (-int(v.stride()[d]), d))
+    stride, acc = [sympy.Integer(0)] * len(shape), sympy.Integer(1)
+    for d in reversed(order):
+        if int(v.stride()[d]) != 0:
+            stride[d] = acc
+            acc = acc * shape[d]
+    return shape, stride
+
+
 class _Failed(Exception):
     def __init__(self, node, decisions_before, reason):
         super().__init__(reason)
@@ -777,12 +801,13 @@ def _generalised(gm, e, leaves, prove, rewrite):
     """One extraction from ``leaves``: the proven plan, spliced in when ``rewrite`` is given; without
     it, the user's nodes that the proof found to be the pads' sources."""
     plan = e.plan
-    sub, inputs, env = extract(gm, e.last, leaves)
+    sub, inputs, env = extract(gm, e.last, set(leaves) | set(e.sizes.cut))
     vals = [n.meta.get("val") for n in inputs]
     fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
     if fake_mode is None:
         raise GeneralizeError("the candidate reads no fake tensor input")
-    sizes = dataclasses.replace(e.sizes, descriptor=env[plan.offsets].name if plan.offsets in env else None)
+    sizes = dataclasses.replace(e.sizes, descriptor=env[plan.offsets].name if plan.offsets in env else None,
+                                cut={env[n].name: d for n, d in e.sizes.cut.items() if n in env})
     first = None
     # literals as symbols first; then mask constants kept (a literal the mask does not use as one
     # of HSTU's constants, e.g. a contextual prefix of 2 whose c - 1 = 1 stays a literal; first
