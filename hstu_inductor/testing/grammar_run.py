@@ -73,10 +73,16 @@ def _layers(s: Sample) -> int:
     return {"stack2": 2}.get(s.choices["form"], 1)
 
 
+def _hstu_layers_of_near_miss(s: Sample) -> int:
+    """Layers of a near miss that are still HSTU: the extra user (the scores returned) is the last
+    layer's only, so the layers before it may be rewritten; every other mutation is in all of them."""
+    return _layers(s) - 1 if s.mutation == "extra_user" else 0
+
+
 def _outcome(s: Sample, counts: dict) -> str:
     n = counts.get("attention", 0)
     if not s.expected_hstu:
-        return "false_positive" if n else "near_miss_kept"
+        return "false_positive" if n > _hstu_layers_of_near_miss(s) else "near_miss_kept"
     return "rewritten" if n >= _layers(s) else ("partial" if n else "declined")
 
 
