@@ -319,7 +319,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         if chosen is None:  # every parameter set that fits probe 0; the later probes tell them apart
             alpha, c0, fits = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
                                    plan.num_targets is not None)
-            chosen = alpha, c0, [r for f in fits for r in constant_params(f, ksyms, binding)]
+            chosen = alpha, c0, [(i, r) for i, f in enumerate(fits) for r in constant_params(f, ksyms, binding)]
         alpha, c0, fits = chosen
         if sym_n:  # the constant may scale with N (1/N): fitted per probe, its N-law checked below
             try:
@@ -328,8 +328,8 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                 raise Decline(f"scores at N={Np} are not c * silu(alpha * qk) with the alpha={alpha:g} found at "
                               f"N={probes[0][0]} (alpha depends on N?)") from None
             consts.append((Np, c0, binding))
-        def holds(params):
-            params = tuple(concrete(x, binding) if isinstance(x, sympy.Expr) else x for x in params)
+        def holds(reading):
+            params = tuple(concrete(x, binding) if isinstance(x, sympy.Expr) else x for x in reading[1])
             mref = iv_mask if iv_mask is not None else \
                 reference_mask(lens, Np, targets, params)[bb, ii, jj].expand(X.shape)
             expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
@@ -369,10 +369,11 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     alpha, c0, fits = chosen
     real = {sym_expr(meta_val(n)): int(str(n.target)[len(CONST_PREFIX):]) for n in gm.graph.find_nodes(op="placeholder")
             if str(n.target).startswith(CONST_PREFIX) and isinstance(meta_val(n), torch.SymInt)}
-    at_real = {tuple(int(sympy.sympify(x).subs(real)) if isinstance(x, sympy.Expr) else x for x in f) for f in fits}
-    if len(at_real) > 1:  # readings the probes could not tell apart give different masks at the real constants
+    first = [r for i, r in fits if i == fits[0][0]]  # the readings of the first fitted set that survived
+    at_real = {tuple(int(sympy.sympify(x).subs(real)) if isinstance(x, sympy.Expr) else x for x in r) for r in first}
+    if len(at_real) > 1:  # a literal and a constant's symbol the probes could not tell apart
         raise Decline(f"attention mask parameters are ambiguous: {sorted(at_real)} all fit every probe")
-    params = fits[0]
+    params = first[0]
     plan.alpha = float(alpha * q.factor * k.factor)
     if plan.rab is not None:
         plan.rab.coeff = float(plan.rab.ratio * alpha)  # the op adds rab to alpha * qk: b * R
