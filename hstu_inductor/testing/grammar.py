@@ -98,8 +98,9 @@ class Sample:
 
     @property
     def expected_hstu(self) -> bool:
-        """True: must be rewritten. False: a near miss, must not be rewritten."""
-        return self.mutation is None
+        """True: must be rewritten. False: a near miss, must not be rewritten. A learned bias inside
+        the silu is HSTU with a relative attention bias (``hstu.attention(rab=...)``, issue 21)."""
+        return self.mutation in (None, "bias_in_silu")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -522,8 +523,9 @@ class GrammarModel(nn.Module):
         H, D, N = self.H, self.D, self.N
         L = (q if fused is None else fused).shape[0]
         if self.reference:
+            rab = self.bias.expand(1, 1, N, N) if self.sample.mutation == "bias_in_silu" else None
             out = hstu_mha(N, self.alpha, q, k, v, offsets, causal=self.sample.choices["causal"] == "yes",
-                           num_targets=num_targets, attn_scale=attn_scale, **self.consts)
+                           num_targets=num_targets, attn_scale=attn_scale, rab=rab, **self.consts)
             return out, None
         ctx = _Ctx(self.sample, offsets, L, N, user_mask)
         B = ctx.B
