@@ -315,7 +315,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                 raise Decline(f"mask read from the interval tensor {plan.intervals.node.name} is not "
                               f"[0, x0) | [x1, x2) per row (probe {p})")
             alpha, c0 = fit_alpha(X, S_at, s_at, (X != 0) & in_seq, alphas)
-            chosen = alpha, c0, [(True, 0, 0, 0)]
+            chosen = alpha, c0, [(0, (True, 0, 0, 0))]
         if chosen is None:  # every parameter set that fits probe 0; the later probes tell them apart
             alpha, c0, fits = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
                                    plan.num_targets is not None)
