@@ -367,13 +367,9 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                 post_ok = list(post).index(m.node)  # leave it (and what follows) to the user
 
     alpha, c0, fits = chosen
-    real = {sym_expr(meta_val(n)): int(str(n.target)[len(CONST_PREFIX):]) for n in gm.graph.find_nodes(op="placeholder")
-            if str(n.target).startswith(CONST_PREFIX) and isinstance(meta_val(n), torch.SymInt)}
-    first = [r for i, r in fits if i == fits[0][0]]  # the readings of the first fitted set that survived
-    at_real = {tuple(int(sympy.sympify(x).subs(real)) if isinstance(x, sympy.Expr) else x for x in r) for r in first}
-    if len(at_real) > 1:  # a literal and a constant's symbol the probes could not tell apart
-        raise Decline(f"attention mask parameters are ambiguous: {sorted(at_real)} all fit every probe")
-    params = first[0]
+    # the first fitted set, in its most symbolic reading that survived (a parameter the probes
+    # cannot pin down keeps the constant's symbol, as when readings were symbolic only)
+    params = next(r for i, r in fits if i == fits[0][0])
     plan.alpha = float(alpha * q.factor * k.factor)
     if plan.rab is not None:
         plan.rab.coeff = float(plan.rab.ratio * alpha)  # the op adds rab to alpha * qk: b * R

@@ -193,6 +193,10 @@ def concrete(x, binding: dict) -> int:
     if isinstance(x, int):
         return x
     e = substitute(sym_expr(x) if not isinstance(x, sympy.Expr) else x, binding)
+    if not e.is_Integer and isinstance(x, torch.SymInt):
+        # an unbacked size (a data-dependent op kept in the graph) that a runtime assert ties to
+        # another size: the shape env's replacements say which
+        e = substitute(x.node.shape_env.replace(sym_expr(x)), binding)
     if not e.is_Integer:
         raise Decline(f"unbound size {e}")
     return int(e)
