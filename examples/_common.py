@@ -127,3 +127,21 @@ def save_loss_curve(losses, path, title):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def add_model_args(p, loss_png: str):
+    """The options both training examples share (model size, data, optimiser, output, backend)."""
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-seq-len", type=int, default=32)
+    p.add_argument("--num-items", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--embedding-dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loss-png", default=loss_png, help="loss curve PNG (needs matplotlib; '' for none)")
+    p.add_argument("--backend", default="hstu", choices=["hstu", "hstu_eager"],
+                   help="hstu_eager: the same rewrites run op by op, no Inductor code generation (quick checks)")

@@ -25,30 +25,17 @@ import os
 import torch
 
 import hstu_inductor
-from _common import next_item_loss, progress, rel_err, save_loss_curve, setup_logging, synthetic_batch
+from _common import add_model_args, next_item_loss, progress, rel_err, save_loss_curve, setup_logging, synthetic_batch
 from hstu_inductor.reference import HSTUModel
 from hstu_inductor.report import collecting
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-seq-len", type=int, default=32)
-    p.add_argument("--num-items", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--embedding-dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    add_model_args(p, "train_hstu_loss.png")
     p.add_argument("--ddp", type=int, nargs="?", const=0, default=None, metavar="N",
                    help="DistributedDataParallel: spawn N local processes, or (no N) join the torchrun job")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size (with --ddp)")
-    p.add_argument("--loss-png", default="train_hstu_loss.png", help="loss curve PNG (needs matplotlib; '' for none)")
-    p.add_argument("--backend", default="hstu", choices=["hstu", "hstu_eager"],
-                   help="hstu_eager: the same rewrites run op by op, no Inductor code generation (quick checks)")
     args = p.parse_args(argv)
     if args.steps < 10:  # the check compares the first 5 steps' loss with the last 5's
         p.error(f"--steps must be at least 10 (got {args.steps}): the run passes when the mean loss of the "

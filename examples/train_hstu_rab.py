@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hstu_inductor
-from _common import next_item_loss, progress, save_loss_curve, setup_logging, synthetic_batch
+from _common import add_model_args, next_item_loss, progress, save_loss_curve, setup_logging, synthetic_batch
 
 
 class RabSTULayer(nn.Module):
@@ -102,21 +102,8 @@ class RabHSTU(nn.Module):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-seq-len", type=int, default=32)
-    p.add_argument("--num-items", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--embedding-dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
+    add_model_args(p, "train_hstu_rab_loss.png")
     p.add_argument("--num-buckets", type=int, default=64, help="time buckets of the bias (ts_w has num_buckets + 1)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--loss-png", default="train_hstu_rab_loss.png", help="loss curve PNG (needs matplotlib; '' for none)")
-    p.add_argument("--backend", default="hstu", choices=["hstu", "hstu_eager"],
-                   help="hstu_eager: the same rewrites run op by op, no Inductor code generation (quick checks)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda requested but CUDA is not available")
