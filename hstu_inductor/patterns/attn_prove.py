@@ -62,11 +62,18 @@ def probe_scale(scale_leaf, binding, gen, env):
 
 def probe_cost(nodes, binding) -> int:
     """Elements the tensors of ``nodes`` hold at the probe sizes ``binding``."""
-    cost = 0
+    cost, sizes = 0, []
     for n in nodes:
         val = meta_val(n)
         if isinstance(val, torch.Tensor):
-            cost += math.prod(concrete(s, binding) for s in val.shape)
+            dims = []
+            for s in val.shape:
+                try:
+                    dims.append(concrete(s, binding))
+                except Decline:  # an unbacked size (data-dependent op): counted as the largest size below
+                    dims.append(None)
+            sizes += [d for d in dims if d is not None]
+            cost += math.prod(d for d in dims if d is not None) * (max(sizes, default=1) if None in dims else 1)
     return cost
 
 
