@@ -145,3 +145,13 @@ def add_model_args(p, loss_png: str):
     p.add_argument("--loss-png", default=loss_png, help="loss curve PNG (needs matplotlib; '' for none)")
     p.add_argument("--backend", default="hstu", choices=["hstu", "hstu_eager"],
                    help="hstu_eager: the same rewrites run op by op, no Inductor code generation (quick checks)")
+
+
+def optimise(opt, loss, losses: list, bar) -> None:
+    """One optimiser step on ``loss``; records it and advances the progress bar."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+    bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    bar.update(1)

@@ -25,7 +25,8 @@ import os
 import torch
 
 import hstu_inductor
-from _common import add_model_args, next_item_loss, progress, rel_err, save_loss_curve, setup_logging, synthetic_batch
+from _common import (add_model_args, next_item_loss, optimise, progress, rel_err, save_loss_curve, setup_logging,
+                     synthetic_batch)
 from hstu_inductor.reference import HSTUModel
 from hstu_inductor.report import collecting
 
@@ -131,12 +132,7 @@ def train(args, distributed=False):
     for step in range(1, args.steps + 1):
         ids, offsets = synthetic_batch(gen, args.batch_size, args.max_seq_len, args.num_items, dev)
         loss = next_item_loss(compiled(ids, offsets), ids, offsets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        bar.update(1)
+        optimise(opt, loss, losses, bar)
     bar.close()
     if rank == 0 and save_loss_curve(losses, args.loss_png, f"HSTUModel, backend={args.backend!r}"):
         say(f"loss curve: {args.loss_png}")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hstu_inductor
-from _common import add_model_args, next_item_loss, progress, save_loss_curve, setup_logging, synthetic_batch
+from _common import add_model_args, optimise, next_item_loss, progress, save_loss_curve, setup_logging, synthetic_batch
 
 
 class RabSTULayer(nn.Module):
@@ -153,18 +153,14 @@ def train(args):
             ids, offsets, ts = synthetic_batch(gen, args.batch_size, args.max_seq_len, args.num_items, dev,
                                                timestamps=True)
             loss = next_item_loss(compiled(ids, offsets, ts), ids, offsets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        bar.update(1)
+        optimise(opt, loss, losses, bar)
     bar.close()
     if save_loss_curve(losses, args.loss_png, f"HSTU with rab, backend={args.backend!r}"):
         print(f"loss curve: {args.loss_png}")
     k = min(5, len(losses))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    print(f"loss: first {k} steps {first:.4f} -> last {k} steps {last:.4f} (uniform guess {math.log(args.num_items):.4f})")
+    print(f"loss: first {k} steps {first:.4f} -> last {k} steps {last:.4f} "
+          f"(uniform guess {math.log(args.num_items):.4f})")
     if args.steps >= 10 and not last < first:
         raise SystemExit("FAILED: loss did not decrease")
     print("OK")

@@ -19,7 +19,6 @@ argument is what makes the result right.
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 import torch
@@ -28,9 +27,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import hstu_inductor
 import hstu_inductor.ops.attention  # noqa: F401
-from hstu_inductor import _compat, reference
-from hstu_inductor.patterns import run_rewriters
+from hstu_inductor import reference
 from hstu_inductor.report import collecting
+from _rewrite import rewrite_exported
 
 from _helpers import REWRITE_BACKEND, offsets_from_lengths
 
@@ -621,12 +620,7 @@ def _rewrite_fake(model, extra_shapes, B=128, n=4096, heads=4, d=128):
         args = [torch.empty(L, heads, d) for _ in range(3)] + [torch.empty(B + 1, dtype=torch.int64)]
         args += [torch.empty(*(L if s == "L" else s for s in shape), dtype=dt) for shape, dt in extra_shapes]
         ep = torch.export.export(model, tuple(args))
-    vals = [nd.meta["val"] for nd in ep.graph_module.graph.find_nodes(op="placeholder")]
-    start = time.perf_counter()
-    with collecting() as report, torch._guards.detect_fake_mode(vals):
-        gm = _compat.trace_aten(ep.graph_module, vals)
-        run_rewriters(gm)
-    return report, gm, time.perf_counter() - start
+    return rewrite_exported(ep)
 
 
 @pytest.mark.parametrize("kind", ["hstu_rel", "gr_pad_repeat"])

@@ -15,10 +15,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import hstu_inductor
-from hstu_inductor import _compat
-from hstu_inductor.patterns import run_rewriters
 from hstu_inductor.testing import spellings_attention as sp
 from hstu_inductor.report import collecting
+from _rewrite import rewrite_exported
 from _helpers import REWRITE_BACKEND
 
 
@@ -44,12 +43,7 @@ def _rewrite_fake(fn, B, N, H, D, monkeypatch, need_nt=False, row_scale=False, L
         if row_scale:
             args.append(torch.empty(L))
         ep = torch.export.export(_Fn(fn), tuple(args))
-    vals = [n.meta["val"] for n in ep.graph_module.graph.find_nodes(op="placeholder")]
-    start = time.perf_counter()
-    with collecting() as report, torch._guards.detect_fake_mode(vals):
-        gm = _compat.trace_aten(ep.graph_module, vals)
-        run_rewriters(gm)
-    return report, gm, time.perf_counter() - start
+    return rewrite_exported(ep)
 
 
 def _ops(gm, target):
