@@ -236,6 +236,18 @@ def _iv_valid(i, j, x0, x1, x2, n):
 
 
 @triton.jit
+def _row_tile_mask(pos_m, offs_n, pi_m, x0, x1, x2, n, M, c, w, f, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
+                   HAS_TGT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, HAS_IV: tl.constexpr):
+    """Visibility of a [BLOCK_M, BLOCK_N] tile with query rows ``pos_m`` (ids ``pi_m``) and keys ``offs_n``: the
+    interval mask with intervals, else the HSTU mask (the forward's and dQ's loops; dK/dV's tile is transposed)."""
+    if HAS_IV:
+        return _iv_valid(pos_m[:, None], offs_n[None, :], x0[:, None], x1[:, None], x2[:, None], n)
+    pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
+    return _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL, HAS_CTX,
+                  HAS_WINDOW, HAS_MINFULL)
+
+
+@triton.jit
 def _iv_rows(IV_h, row0, offs, nrows, stride_ir, stride_ic):
     """(x0, x1, x2) int32 vectors of rows ``row0 + offs`` (zeros, i.e. nothing visible, past ``nrows``)."""
     ptr = IV_h + (row0 + offs).to(tl.int64) * stride_ir
@@ -523,12 +535,8 @@ def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
         else:
             p = _silu(s, a, FAST).to(v.dtype)
         if MASKED:
-            if HAS_IV:
-                ok = _iv_valid(pos_m[:, None], offs_n[None, :], x0[:, None], x1[:, None], x2[:, None], n)
-            else:
-                pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
-                ok = _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL,
-                            HAS_CTX, HAS_WINDOW, HAS_MINFULL)
+            ok = _row_tile_mask(pos_m, offs_n, pi_m, x0, x1, x2, n, M, c, w, f, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                HAS_MINFULL, HAS_IV)
             p = tl.where(ok, p, 0.0)
         acc = tl.dot(p, v, acc, input_precision=PREC)
     return acc
@@ -894,12 +902,8 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
             _, dsilu = _silu_and_grad(s, a, FAST)
             ds = (dp * dsilu).to(k.dtype)
         if MASKED:
-            if HAS_IV:
-                ok = _iv_valid(pos_m[:, None], offs_n[None, :], x0[:, None], x1[:, None], x2[:, None], n)
-            else:
-                pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
-                ok = _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL,
-                            HAS_CTX, HAS_WINDOW, HAS_MINFULL)
+            ok = _row_tile_mask(pos_m, offs_n, pi_m, x0, x1, x2, n, M, c, w, f, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
+                                HAS_MINFULL, HAS_IV)
             ds = tl.where(ok, ds, 0.0)
         dq = tl.dot(ds, k, dq, input_precision=PREC)
     return dq
