@@ -12,16 +12,68 @@ import torch
 
 from .jagged import jagged_to_padded
 
-__all__ = ["time_buckets", "relative_bias", "relative_bias_backward"]
+__all__ = ["time_buckets", "time_bucket_bounds", "buckets_from_bounds", "relative_bias", "relative_bias_backward"]
 
 
-def time_buckets(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """``clamp(floor(log(max(|dt|, 1)) / 0.301), 0, num_buckets)`` (natural log, computed in fp64), int64."""
+def time_buckets(dt: torch.Tensor, num_buckets: int, bounds: torch.Tensor | None = None) -> torch.Tensor:
+    """``clamp(floor(log(max(|dt|, 1)) / 0.301), 0, num_buckets)`` (natural log, computed in fp64), int64.
+    With ``bounds`` (:func:`time_bucket_bounds`), the bucket is :func:`buckets_from_bounds` instead."""
+    if bounds is not None:
+        return buckets_from_bounds(dt, bounds)
     x = torch.log(dt.abs().to(torch.float64).clamp(min=1.0)) / 0.301
     return torch.floor(x).clamp(0, num_buckets).to(torch.int64)
 
 
-def _indices(timestamps, seq_offsets, N, num_buckets, device):
+def buckets_from_bounds(dt: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """``#{k : |dt| >= bounds[k]}`` (int64): the bucket of any non-decreasing step function of ``|dt|``,
+    given its thresholds (``bounds[k - 1]``: the least ``|dt|`` in bucket ``>= k``; int64 for integer gaps,
+    the gaps' dtype for float gaps)."""
+    x = dt.abs()
+    if not dt.is_floating_point():
+        x = x.to(torch.int64)
+    if bounds.dtype != x.dtype:
+        raise ValueError(f"bounds must be {x.dtype} for time gaps of dtype {dt.dtype}, got {bounds.dtype}")
+    return torch.searchsorted(bounds.contiguous(), x.contiguous(), right=True)
+
+
+def _ordered(dtype: torch.dtype):
+    """(lo, hi, to_value, to_key) for bisection over the non-negative values of ``dtype`` in order: integers
+    directly, floats through their bit patterns (monotone for non-negative floats)."""
+    if dtype.is_floating_point:
+        bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(dtype)
+        if bits is None:
+            raise ValueError(f"time gaps of dtype {dtype} are not supported (int32/int64/fp32/fp64)")
+        inf = torch.tensor(float("inf"), dtype=dtype).view(bits).item()
+        return 0, inf, (lambda key: key.to(bits).view(dtype)), (lambda key: key.to(bits).view(dtype))
+    top = torch.iinfo(dtype).max
+    # int32 gaps: a bucket no int32 gap reaches gets top + 1 (bounds are int64), so none is counted in it
+    return 0, top if dtype == torch.int64 else top + 1, (lambda key: key.clamp(max=top).to(dtype)), (lambda key: key)
+
+
+def time_bucket_bounds(num_buckets: int, dtype: torch.dtype = torch.int64, bucket_fn=None) -> torch.Tensor:
+    """Thresholds (``[num_buckets]``; int64 for integer ``dtype``, else ``dtype``) of a bucketisation of the time gap: ``bounds[k - 1]`` is
+    the least non-negative gap that ``bucket_fn`` puts in a bucket ``>= k`` (the dtype's largest value when
+    none does). ``bucket_fn`` (default: :func:`time_buckets`) must be a non-decreasing function of ``|dt|``
+    with values in ``[0, num_buckets]``; it is evaluated on CPU tensors of ``dtype`` only, by bisection
+    (64 steps), so the bounds reproduce it exactly, rounding included, whatever dtype it computes in."""
+    fn = bucket_fn or (lambda dt: time_buckets(dt, num_buckets))
+    lo0, hi0, value, out = _ordered(dtype)
+    k = torch.arange(1, num_buckets + 1, dtype=torch.int64)
+    lo = torch.full((num_buckets,), lo0, dtype=torch.int64)   # bucket(value(lo)) < k, or lo == lo0
+    hi = torch.full((num_buckets,), hi0, dtype=torch.int64)   # bucket(value(hi)) >= k, or hi == hi0
+    below = fn(value(lo)).to(torch.int64) >= k                # already there at 0
+    while True:
+        live = hi - lo > 1
+        if not bool(live.any()):
+            break
+        mid = lo + (hi - lo) // 2
+        up = fn(value(mid)).to(torch.int64) >= k
+        hi = torch.where(live & up, mid, hi)
+        lo = torch.where(live & ~up, mid, lo)
+    return out(torch.where(below, lo, hi))
+
+
+def _indices(timestamps, seq_offsets, N, num_buckets, device, bounds=None):
     """(pos index [N, N] = N-1+j-i, bucket index [B, N, N] or None without timestamps)."""
     i = torch.arange(N, device=device)
     pos = N - 1 + i.unsqueeze(0) - i.unsqueeze(1)
@@ -29,14 +81,16 @@ def _indices(timestamps, seq_offsets, N, num_buckets, device):
         return pos, None
     ts = jagged_to_padded(timestamps, seq_offsets, N)  # [B, N]
     nxt = (i + 1).clamp(max=N - 1)
-    return pos, time_buckets(ts[:, nxt].unsqueeze(-1) - ts.unsqueeze(1), num_buckets)
+    return pos, time_buckets(ts[:, nxt].unsqueeze(-1) - ts.unsqueeze(1), num_buckets, bounds)
 
 
 def relative_bias(timestamps: torch.Tensor | None, seq_offsets: torch.Tensor, max_seq_len: int,
-                  pos_w: torch.Tensor | None, ts_w: torch.Tensor | None) -> torch.Tensor:
+                  pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
+                  ts_bounds: torch.Tensor | None = None) -> torch.Tensor:
     """Dense ``[B, 1, N, N]`` rab of the original HSTU. ``timestamps: [L]`` (jagged, padded with 0),
     ``pos_w: [2N - 1]``, ``ts_w: [num_buckets + 1]``; ``next(i) = min(i + 1, N - 1)`` on padded positions.
-    Either table may be None (its term is left out; ``timestamps`` is only needed with ``ts_w``)."""
+    Either table may be None (its term is left out; ``timestamps`` is only needed with ``ts_w``).
+    ``ts_bounds`` (:func:`time_bucket_bounds`, ``[num_buckets]``) replaces the default bucketisation."""
     N = max_seq_len
     if pos_w is None and ts_w is None:
         raise ValueError("relative_bias needs pos_w and/or ts_w")
@@ -48,8 +102,11 @@ def relative_bias(timestamps: torch.Tensor | None, seq_offsets: torch.Tensor, ma
         raise ValueError("ts_w needs timestamps")
     B = seq_offsets.shape[0] - 1
     dev = (pos_w if pos_w is not None else ts_w).device
+    if ts_bounds is not None and (ts_w is None or tuple(ts_bounds.shape) != (ts_w.shape[0] - 1,)):
+        raise ValueError(f"ts_bounds must be [num_buckets] = [len(ts_w) - 1] and needs ts_w, got "
+                         f"{tuple(ts_bounds.shape)}")
     pos, bucket = _indices(timestamps if ts_w is not None else None, seq_offsets, N,
-                           ts_w.shape[0] - 1 if ts_w is not None else 0, dev)
+                           ts_w.shape[0] - 1 if ts_w is not None else 0, dev, ts_bounds)
     if ts_w is None:
         return pos_w[pos].expand(B, N, N).unsqueeze(1)
     bias = ts_w[bucket]  # [B, N, N]
@@ -59,13 +116,13 @@ def relative_bias(timestamps: torch.Tensor | None, seq_offsets: torch.Tensor, ma
 
 
 def relative_bias_backward(d_bias: torch.Tensor, timestamps: torch.Tensor | None, seq_offsets: torch.Tensor,
-                           max_seq_len: int, num_buckets: int | None):
+                           max_seq_len: int, num_buckets: int | None, ts_bounds: torch.Tensor | None = None):
     """Closed-form gradients of :func:`relative_bias`: ``d_bias: [B, H|1, N, N]`` (summed over heads) ->
     ``(d_pos_w [2N-1], d_ts_w [num_buckets+1] or None when num_buckets is None)``, in d_bias's dtype."""
     N = max_seq_len
     g = d_bias.sum(dim=1)  # [B, N, N]
     pos, bucket = _indices(timestamps if num_buckets is not None else None, seq_offsets, N, num_buckets or 0,
-                           d_bias.device)
+                           d_bias.device, ts_bounds)
     d_pos = g.new_zeros(2 * N - 1).index_add_(0, pos.reshape(-1), g.sum(0).reshape(-1))
     d_ts = None
     if num_buckets is not None:
