@@ -51,6 +51,7 @@ import triton.language as tl
 
 from .. import _compat
 from .common import interpret as _interpret
+from .common import address_source
 from .common import launcher as _launcher
 from .common import new_tensor
 
@@ -1401,6 +1402,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
          min_full_attn_seq_len, causal, delta_rows, tma, rab=None, intervals=None, timestamps=None, pos_w=None,
          ts_w=None):
     _check_inputs(q, k, v, seq_offsets, num_targets)
+    seq_offsets = address_source(seq_offsets)
     tab_args, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
@@ -1474,6 +1476,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     dtype, summed over its broadcast dims) appended when ``rab_grad``, then ``(d_pos_w, d_ts_w)`` (the
     tables' dtypes; None for an absent table) when ``table_grad``."""
     _check_inputs(q, k, v, seq_offsets, num_targets)
+    seq_offsets = address_source(seq_offsets)
     L, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from . import attention as A
 from .. import _compat
-from .common import interpret, launcher, new_tensor
+from .common import address_source, interpret, launcher, new_tensor
 
 __all__ = ["delta_forward", "max_delta_rows", "choose_split"]
 
@@ -153,6 +153,7 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
     ``D <= max_delta_rows()`` rows per sequence. ``split`` / ``config`` ((BLOCK_N, stages, warps)) override
     the automatic choices (tests, benchmarks)."""
     A._check_inputs(delta_q, k, v, seq_offsets, num_targets)
+    seq_offsets = address_source(seq_offsets)
     B = seq_offsets.shape[0] - 1
     rq, H, Dq = delta_q.shape
     Dv = v.shape[2]
