@@ -1,6 +1,6 @@
 """Cached (delta) attention for few new rows per sequence: the key range split across programs.
 
-With D <= 128 new rows per sequence, the work of one (sequence, head) is one narrow row block that
+With D <= 64 new rows per sequence, the work of one (sequence, head) is one narrow row block that
 streams the whole K/V cache: B * H programs, each reading ~n * (Dq + Dv) * 2 bytes. At B * H = 512
 programs on 132 SMs that is ~1.3 waves of long programs, so the tail leaves SMs idle, and the full
 forward's 128-row blocks spend tensor-core time on rows that do not exist (issue 22 item 4).
@@ -9,7 +9,8 @@ Here each (sequence, head, row block) is split into ``S`` programs over disjoint
 has no softmax: the output is a plain sum over keys, so the partial outputs add exactly, without a
 rescaling pass. Each program writes its scaled fp32 partial ``[S, rows, H, Dv]`` once and a small
 kernel sums the ``S`` partials in a fixed order (deterministic; no atomics, no zeroing). ``S = 1``
-stores straight into the output. Row blocks are the delta rows rounded up to 16-128.
+stores straight into the output. Row blocks are the delta rows rounded up to 16-64. (At 128 rows the
+full forward's row blocks were faster on the H100: 0.129 against 0.183 ms at N=1024, B=128.)
 
 The key ranges, the element-wise mask and the silu are the full forward's own jit helpers, so every
 mask option of cached attention means the same here.
@@ -30,13 +31,14 @@ from .common import address_source, interpret, launcher, new_tensor
 __all__ = ["delta_forward", "max_delta_rows", "choose_split"]
 
 # (BLOCK_N, num_stages, num_warps). Row blocks of 16-32 rows use mma.sync with K/V in registers: sm90
-# ptxas gives (32, 4, 8) 125 registers (two CTAs per SM), (64, 3, 8) 230, (64, 3, 4) 255 with spills.
+# ptxas gives (32, 4, 8) 125 registers (two CTAs per SM), (64, 3, 8) 230, (64, 3, 4) 255 with spills;
+# yet (64, 3, 8) was the fastest on the H100 at 1 and 16 rows (0.107 / 0.111 ms against 0.110 / 0.116).
 _CONFIGS = [(32, 4, 8), (64, 3, 8), (64, 2, 8), (32, 3, 4), (128, 2, 8)]
 
 
 def max_delta_rows() -> int:
     """Delta rows per sequence up to which this kernel is used (beyond: the full forward's row blocks)."""
-    return 128
+    return 64
 
 
 @triton.jit
@@ -171,8 +173,8 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
             config = _CONFIGS[int(pick)]
         elif delta_q.dtype == torch.float32:  # fp32 tiles are twice as wide
             config = (32, 3, 8)
-        else:  # 64+ rows: wgmma row blocks, 64-row K/V tiles (ptxas: 254 registers, no spills)
-            config = _CONFIGS[0] if _block_m(D) <= 32 else _CONFIGS[1]
+        else:  # measured on the H100 (benchmarks/RESULTS.md, session 9): (64, 3, 8) at 1 and 16 rows
+            config = _CONFIGS[1]
     block_n, stages, warps = config
     block_m = _block_m(D)
     n_blocks = -(-D // block_m)
