@@ -160,7 +160,6 @@ def _structure(tc, plan, leaves, tables):
     t = tc.term
     order, _ = closure([t.node], set())
     within = set(order)
-    allowed = {plan.offsets, *tables}
     timed = []
     for T in tables:
         views = _views(T, within)
@@ -184,7 +183,7 @@ def _structure(tc, plan, leaves, tables):
     tc.pos = rest[0] if rest else None
     cut = {tc.stamps, tc.index} - {None}
     tc.order_r, rleaves = closure([t.node], cut)
-    extra = _tensor_leaves(rleaves, allowed | cut)
+    extra = _tensor_leaves(rleaves, {plan.offsets, tc.pos, tc.ts} | cut)
     if extra:
         raise Decline(f"bias term {t.node.name} also reads {extra[0].name} (not a table bias alone)")
     if tc.ts is not None and not lay.to_expr(meta_val(tc.ts).shape[0]).is_Integer:
