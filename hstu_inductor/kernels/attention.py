@@ -53,6 +53,7 @@ from .. import _compat
 from .common import interpret as _interpret
 from .common import launcher as _launcher
 from .common import new_tensor
+from ..reference.rab import default_time_bucket_bounds
 
 log = logging.getLogger("hstu_inductor")
 
@@ -133,14 +134,19 @@ def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
 
 
 @triton.jit
-def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj, TSB, TSP,
                    HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
     """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
-    (None) pointer (a tuple cannot hold None)."""
+    (None) pointer (a tuple cannot hold None). ``TSP``: the time-bucket guess (slope, offset, usable) that
+    the host fitted to the thresholds ``TSB`` (:func:`_time_bucket`), loaded once per program."""
     RAB_b = 0
     TS_b = 0
     POS_t = 0
     TSW_t = 0
+    TSB_t = 0
+    slope = 0.0
+    off = 0.0
+    fits = 0.0
     if HAS_RAB:
         RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
     if HAS_POS:
@@ -148,15 +154,47 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride
     if HAS_TS:
         TS_b = TS + start
         TSW_t = TSW
-    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N)
+        TSB_t = TSB
+        slope = tl.load(TSP)
+        off = tl.load(TSP + 1)
+        fits = tl.load(TSP + 2)
+    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N, TSB_t, slope, off, fits)
 
 
 @triton.jit
-def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+def _time_bucket(x, TSB, NB, slope, off, fits, TS_STEPS: tl.constexpr):
+    """#{k : x >= TSB[k]} exactly, for a tile of non-negative gaps ``x`` (int32/int64/fp32/fp64) and sorted
+    thresholds ``TSB[0:NB]`` (int64 for integer gaps, else x's dtype; L1-resident, NB entries).
+
+    A cheap guess ``c = clamp(floor(slope * log2(fp32(x)) + off), 0, NB)`` (monotone in x) is corrected by
+    the two neighbouring thresholds: exact when the guess is within one bucket of the truth, which the
+    host checked at both ends of every bucket (``fits``, :func:`_ts_plan`). Otherwise (a bucketisation the
+    log-linear guess does not follow) a binary search over the thresholds, TS_STEPS gathers; the branch is
+    uniform (one flag per call), so only one of the two runs."""
+    if fits != 0.0:
+        u = tl.log2(x.to(tl.float32)) * slope + off
+        u = tl.where(u > 0.0, u, 0.0)  # also NaN (log2 of a negative int32 gap, |INT_MIN|) and -inf (x = 0)
+        c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
+        lo = tl.load(TSB + (c - 1), mask=c > 0, other=0)
+        hi = tl.load(TSB + c, mask=c < NB, other=0)
+        bk = c - ((c > 0) & (x < lo)).to(tl.int32) + ((c < NB) & (x >= hi)).to(tl.int32)
+    else:
+        bk = tl.zeros(x.shape, dtype=tl.int32)
+        for s in tl.static_range(TS_STEPS):
+            cand = bk + (1 << (TS_STEPS - 1 - s))
+            ok = cand <= NB
+            thr = tl.load(TSB + (cand - 1), mask=ok, other=0)
+            bk = tl.where(ok & (x >= thr), cand, bk)
+    return bk
+
+
+@triton.jit
+def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+          TS_STEPS: tl.constexpr):
     """(bias, bucket) on a tile, fp32, zero outside the sequence: the dense rab plus the table bias
     ``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]`` (docs/semantics.md). ``rows`` (i) and ``cols``
     (j) are broadcastable position vectors. The bucket tile (int32, 0 without HAS_TS) feeds d ts_w."""
-    RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN = RB
+    RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN, TSB, slope, off, fits = RB
     inside = (rows < n) & (cols < n)
     bk = 0
     if HAS_RAB:
@@ -171,20 +209,19 @@ def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_T
         nx = tl.minimum(rows + 1, MAXN - 1)
         tsn = tl.load(TS_b + nx, mask=nx < n, other=0)
         tsj = tl.load(TS_b + cols, mask=cols < n, other=0)
-        # fp64 log, difference in the timestamps' dtype: the reference's bucket boundaries exactly
-        dt = tl.maximum(tl.abs(tsn - tsj).to(tl.float64), 1.0)
-        bkf = tl.floor(tl.log(dt) / tl.full([], 0.301, tl.float64))
-        bk = tl.minimum(tl.maximum(bkf, 0.0), NB).to(tl.int32)
+        # the difference in the timestamps' dtype (as the reference), bucketed by thresholds
+        bk = _time_bucket(tl.abs(tsn - tsj), TSB, NB, slope, off, fits, TS_STEPS)
         x += tl.load(TSW + bk, mask=inside, other=0.0).to(tl.float32)
     return x, bk
 
 
 @triton.jit
-def _pre_silu(s, alpha, RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+def _pre_silu(s, alpha, RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+              TS_STEPS: tl.constexpr):
     """(x, a, bucket) with silu(a * x) the score: (s, alpha, 0) without a bias (today's code unchanged),
     else (alpha * s + bias, 1, bucket)."""
     if HAS_RAB or HAS_POS or HAS_TS:
-        x, bk = _bias(RB, rows, cols, n, HAS_RAB, HAS_POS, HAS_TS)
+        x, bk = _bias(RB, rows, cols, n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
         return s * alpha + x, 1.0, bk
     else:
         return s, alpha, 0
@@ -522,14 +559,14 @@ def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr,
-               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_STEPS: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = _load_rows(K_src, start_n, n, DQ, stride_km, stride_kd, MASKED, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
         if FAST == 2:
             p = _silu_packed((s * (0.5 * a)).to(v.dtype))
         else:
@@ -550,14 +587,14 @@ def _hstu_fwd_kernel(
     alpha, scale_const, one,
     H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, CTX, WINDOW, MINFULL, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
-    TS, POSW, TSW, NB,
+    TS, POSW, TSW, NB, TSB, TSP,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, DELTA: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
     HAS_RAB: tl.constexpr = False, HAS_IV: tl.constexpr = False,
-    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False, TS_STEPS: tl.constexpr = 0,
 ):
     # Inductor passes Python float arguments of user kernels as fp64 (a direct launch passes fp32):
     # cast once so the score math and the fp32-only inline-asm silu see fp32 on both paths.
@@ -603,7 +640,7 @@ def _hstu_fwd_kernel(
         q = (q.to(tl.float32) * one).to(q.dtype)
 
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_IV:  # intervals replace the HSTU mask: every visited tile is masked, invisible tiles skipped
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
@@ -612,11 +649,11 @@ def _hstu_fwd_kernel(
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, pos_m, pi_m,
                          n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                          CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, pos_m, pi_m,
                          n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                          CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     else:
         m_first = tl.maximum(pos0 + r0, 0)
         m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
@@ -625,15 +662,15 @@ def _hstu_fwd_kernel(
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, pos_m, pi_m,
                          n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, pos_m, pi_m,
                          n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, pos_m, pi_m,
                          n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
 
     if SCALE_MODE == 0:
         acc = acc * scale_const
@@ -663,7 +700,7 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
                    EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                    HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr,
-                   HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr):
+                   HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr, TS_STEPS: tl.constexpr):
     """One query block [start_m, start_m + BLOCK_M) against the key block of this program."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dq = tl.arange(0, BLOCK_DQ)
@@ -674,7 +711,7 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
         do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
     s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
     dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-    s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], n, HAS_RAB, HAS_POS, HAS_TS)
+    s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
     if FAST == 2:
         p16, ds16 = _silu_bwd_packed((s_t * (0.5 * a)).to(q.dtype), dp_t.to(q.dtype))
     else:
@@ -728,7 +765,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stri
                     EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                     HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr,
-                    HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr):
+                    HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr, TS_STEPS: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         if HAS_IV:
@@ -742,14 +779,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stri
                                         c, w, f, alpha, DQ, DV, RB, GB, x0, x1, x2, MASKED, CAUSAL, HAS_CTX, HAS_TGT,
                                         HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
                                         EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS,
-                                        HAS_TS, TAB_GRAD)
+                                        HAS_TS, TAB_GRAD, TS_STEPS)
         else:
             dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
                                     stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha,
                                     DQ, DV, RB, GB,
                                     offs_m0, offs_m0, offs_m0, MASKED, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                     HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
-                                    BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD)
+                                    BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD, TS_STEPS)
     return dk, dv
 
 
@@ -763,7 +800,7 @@ def _hstu_bwd_dkdv_kernel(
     H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
     DRAB, stride_gb, stride_gh, stride_gi, stride_gj,
-    TS, POSW, TSW, NB, DPOS, DTS, TAB_COPIES, stride_pc, stride_tc,
+    TS, POSW, TSW, NB, DPOS, DTS, TAB_COPIES, stride_pc, stride_tc, TSB, TSP,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -771,6 +808,7 @@ def _hstu_bwd_dkdv_kernel(
     SEQ_MAJOR: tl.constexpr = True,
     HAS_RAB: tl.constexpr = False, RAB_GRAD: tl.constexpr = 0, HAS_IV: tl.constexpr = False,
     HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False, TAB_GRAD: tl.constexpr = False,
+    TS_STEPS: tl.constexpr = 0,
 ):
     alpha, scale_const = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32)  # fp64 under Inductor
     # early key blocks are seen by the most query rows: launched first
@@ -831,7 +869,7 @@ def _hstu_bwd_dkdv_kernel(
     if HAS_IV:
         IV_h = IV + h.to(tl.int64) * stride_ih + start * stride_ir
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS)
     GB = (DRAB_b, stride_gi, stride_gj, DPOS_s, DTS_s, gsc)
     dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -858,7 +896,7 @@ def _hstu_bwd_dkdv_kernel(
                                      MINFULL, alpha, DQ, DV, RB, GB, IV_h, stride_ir, stride_ic, n0, BLOCK_N,
                                      seg != 2, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA,
                                      DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB,
-                                     RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD)
+                                     RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD, TS_STEPS)
 
     if SCALE_MODE == 0:
         sc = scale_const
@@ -887,7 +925,7 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
                   PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr,
-                  HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+                  HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_STEPS: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -895,7 +933,7 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
         if FAST == 2:
             _, ds = _silu_bwd_packed((s * (0.5 * a)).to(k.dtype), dp.to(k.dtype))
         else:
@@ -917,14 +955,14 @@ def _hstu_bwd_dq_kernel(
     alpha, scale_const, one,
     H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
-    TS, POSW, TSW, NB,
+    TS, POSW, TSW, NB, TSB, TSP,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
     HAS_RAB: tl.constexpr = False, HAS_IV: tl.constexpr = False,
-    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False, TS_STEPS: tl.constexpr = 0,
 ):
     # fp64 under Inductor: see the forward kernel
     alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
@@ -958,7 +996,7 @@ def _hstu_bwd_dq_kernel(
             do = (do.to(tl.float32) * one).to(q.dtype)
 
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS)
     dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32)
     if HAS_IV:  # as in the forward kernel
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
@@ -967,11 +1005,11 @@ def _hstu_bwd_dq_kernel(
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, offs_r, pi_m,
                            n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                            CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, offs_r, pi_m,
                            n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                            CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     else:
         m_last = tl.minimum(r0 + BLOCK_M, n) - 1
         a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
@@ -979,15 +1017,15 @@ def _hstu_bwd_dq_kernel(
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, offs_r, pi_m,
                            n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, offs_r, pi_m,
                            n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, offs_r, pi_m,
                            n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     if SCALE_MODE == 0:
         sc = scale_const
     elif SCALE_MODE == 1:
@@ -1091,8 +1129,9 @@ def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool, zero_extra: tu
 _TUNERS: dict = {}  # for benchmark reports: name -> triton Autotuner
 
 
-_OPTIONAL_FLAGS = {"fwd": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS"), "dq": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS"),
-                   "dkdv": ("HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD")}
+_OPTIONAL_FLAGS = {"fwd": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS", "TS_STEPS"),
+                   "dq": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS", "TS_STEPS"),
+                   "dkdv": ("HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD", "TS_STEPS")}
 
 
 def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, kwargs: dict,
@@ -1299,9 +1338,9 @@ def _iv_args(intervals, H, rows):
             intervals.stride(2))
 
 
-def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len):
-    """(timestamps, pos_w, ts_w, num_buckets) for the table bias (docs/semantics.md), contiguous (tiny or
-    [L]), and the constexpr switches; placeholders without tables."""
+def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None):
+    """((timestamps, pos_w, ts_w, num_buckets), (thresholds, guess plan), constexpr switches) for the table bias
+    (docs/semantics.md), tensors contiguous (tiny or [L]); placeholders without tables."""
     if ts_w is not None and timestamps is None:
         raise ValueError("hstu attention: ts_w needs timestamps")
     if pos_w is not None and (pos_w.dim() != 1 or pos_w.shape[0] != 2 * max_seq_len - 1):
@@ -1316,14 +1355,104 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len):
     for t in (pos_w, ts_w):
         if t is not None and t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"hstu attention: pos_w / ts_w must be fp16/bf16/fp32, got {t.dtype}")
+    if ts_bounds is not None and ts_w is None:
+        raise ValueError("hstu attention: ts_bounds (time-bucket thresholds) are only used with ts_w")
     flags = {}
     if pos_w is not None:
         flags["HAS_POS"] = True
+    bnd = (None, None)
     if ts_w is not None:
         flags["HAS_TS"] = True
+        nb = ts_w.shape[0] - 1
+        bnd = _ts_bounds_and_plan(ts_bounds, nb, timestamps.dtype, timestamps.device)
+        # binary-search steps of the fallback (2**steps > num_buckets); a symbolic size takes the most
+        flags["TS_STEPS"] = int(nb).bit_length() if type(nb) is int else 31
     cont = lambda t: None if t is None else t.contiguous()  # noqa: E731
     return ((cont(timestamps) if ts_w is not None else None, cont(pos_w), cont(ts_w),
-             ts_w.shape[0] - 1 if ts_w is not None else 0), flags)
+             ts_w.shape[0] - 1 if ts_w is not None else 0), bnd, flags)
+
+
+# The time bucket of the table bias is #{k : |dt| >= ts_bounds[k]} (reference.buckets_from_bounds). The
+# kernels guess it from a line in log2(|dt|) fitted to the thresholds and correct the guess by one bucket
+# either way (_time_bucket); _ts_plan fits the line and checks it, all with torch ops on the thresholds'
+# device: no host sync, so it traces (torch.compile, AOTI) and captures (CUDA graphs).
+_GUESS_MARGIN = 1.0 / 64  # slack (in buckets) for the device's fp32 log2 and fp32 FMA rounding
+_DEFAULT_BOUNDS: dict = {}  # (num_buckets, gap dtype, device) -> (thresholds, plan): eager calls only
+_USER_PLANS: dict = {}  # id(ts_bounds) -> (ts_bounds, version, plan); the tensor is held so its id stays its own
+
+
+def _gap_top(dtype):
+    """The largest non-negative time gap of the timestamps' dtype (inf for floats)."""
+    return float("inf") if dtype.is_floating_point else torch.iinfo(dtype).max
+
+
+def _ts_plan(bounds: torch.Tensor, nb: int, gap_dtype) -> torch.Tensor:
+    """fp32 ``[slope, offset, fits]`` for :func:`_time_bucket`: the guess ``floor(slope * log2(fp32(x)) + offset)``
+    fitted by least squares to ``(log2 bounds[k-1], k)``, centred, and ``fits = 1`` when at both ends of
+    every bucket (each threshold and the gap just below it, 0 and the largest gap) it is within one bucket
+    of the truth by a margin; as the guess is monotone in x, it then is everywhere."""
+    dev, top = bounds.device, _gap_top(gap_dtype)
+    f64 = torch.float64
+    k = torch.arange(1, nb + 1, device=dev, dtype=f64)
+    lb = torch.log2(bounds.to(torch.float32).to(f64))  # what the kernel sees: log2 of fp32(x)
+    use = torch.isfinite(lb) & (lb >= 0) & (bounds < top)
+    w = use.to(f64)
+    cnt = w.sum().clamp(min=1.0)
+    lz = torch.where(use, lb, 0.0)
+    ml, mk = (w * lz).sum() / cnt, (w * k).sum() / cnt
+    var = (w * (lz - ml) ** 2).sum()
+    slope = torch.where(var > 0, (w * (lz - ml) * (k - mk)).sum() / var.clamp(min=1e-300), 0.0)
+    off = mk - slope * ml
+    e = slope * lz + off - k
+    off = off - (torch.where(use, e, -torch.inf).amax() + torch.where(use, e, torch.inf).amin()) / 2
+    off = torch.where(torch.isfinite(off), off, 0.0)
+    slope, off = slope.to(torch.float32).to(f64), off.to(torch.float32).to(f64)  # the kernel's fp32 operands
+    if gap_dtype.is_floating_point:
+        below = torch.nextafter(bounds, torch.full_like(bounds, -torch.inf)).clamp(min=0)
+    else:
+        below = (bounds - 1).clamp(min=0)
+    # factory calls, not torch.tensor(list): no constant to lift when traced
+    pts = torch.cat([bounds, below, bounds.new_zeros(1), bounds.new_full((1,), top)]).clamp(max=top)
+    truth = torch.searchsorted(bounds, pts, right=True)
+
+    def guess(u):
+        return torch.floor(torch.where(u > 0, u, 0.0).clamp(max=float(nb))).to(torch.int64)
+
+    u = torch.log2(pts.to(torch.float32).to(f64)) * slope + off
+    fits = ((guess(u - _GUESS_MARGIN) >= truth - 1) & (guess(u + _GUESS_MARGIN) <= truth + 1)).all() & (slope >= 0)
+    return torch.stack([slope, off, fits.to(f64)]).to(torch.float32)
+
+
+def _ts_bounds_and_plan(ts_bounds, nb, ts_dtype, device):
+    """(thresholds, plan) on ``device``: ``ts_bounds`` or the default fp64-log bucket's
+    (``reference.default_time_bucket_bounds``), computed once per (num_buckets, dtype, device) in eager code.
+    Traced (torch.compile / AOTI) or under CUDA-graph capture both are computed in the graph instead."""
+    eager = _compat.plain_eager(ts_bounds) and not (
+        device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    if ts_bounds is None:
+        key = (int(nb), ts_dtype, device) if eager else None
+        got = _DEFAULT_BOUNDS.get(key) if eager else None
+        if got is None:
+            bounds = default_time_bucket_bounds(nb, ts_dtype, device)
+            got = (bounds, _ts_plan(bounds, nb, ts_dtype))
+            if eager:
+                _DEFAULT_BOUNDS[key] = got
+        return got
+    want = ts_dtype if ts_dtype.is_floating_point else torch.int64
+    if ts_bounds.dim() != 1 or ts_bounds.shape[0] != nb or ts_bounds.dtype != want:
+        raise ValueError(f"hstu attention: ts_bounds must be a {want} [num_buckets] = [{nb}] tensor for "
+                         f"{ts_dtype} timestamps, got {tuple(ts_bounds.shape)} {ts_bounds.dtype}")
+    ts_bounds = ts_bounds.contiguous()
+    if not eager:
+        return ts_bounds, _ts_plan(ts_bounds, nb, ts_dtype)
+    hit = _USER_PLANS.get(id(ts_bounds))
+    if hit is not None and hit[0] is ts_bounds and hit[1] == ts_bounds._version:
+        return ts_bounds, hit[2]
+    plan = _ts_plan(ts_bounds, nb, ts_dtype)
+    if len(_USER_PLANS) >= 16:
+        _USER_PLANS.clear()
+    _USER_PLANS[id(ts_bounds)] = (ts_bounds, ts_bounds._version, plan)
+    return ts_bounds, plan
 
 
 def _n_bucket(max_seq_len) -> int:
@@ -1399,9 +1528,9 @@ def _prec(dtype) -> str:
 
 def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
          min_full_attn_seq_len, causal, delta_rows, tma, rab=None, intervals=None, timestamps=None, pos_w=None,
-         ts_w=None):
+         ts_w=None, ts_bounds=None):
     _check_inputs(q, k, v, seq_offsets, num_targets)
-    tab_args, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len)
+    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len, ts_bounds)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
@@ -1416,7 +1545,8 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_s,  # one call each: all are 3-D
             float(alpha), float(scale_const), 1.0,
             H, Dq, Dv, k.shape[0], max_seq_len, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
-            _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows) + tab_args
+            _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows) + tab_args \
+        + tab_bnd
     if rab is not None:  # only then: without rab/intervals the launch (and the kernel) is today's
         flags["HAS_RAB"] = True
     flags.update(tab_flags)
@@ -1434,12 +1564,14 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
 def hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targets=None, attn_scale=None,
                        max_attn_len: int = 0, contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0,
                        causal: bool = True, *, tma=None, rab=None, intervals=None, timestamps=None, pos_w=None,
-                       ts_w=None) -> torch.Tensor:
+                       ts_w=None, ts_bounds=None) -> torch.Tensor:
     """Jagged HSTU attention forward: ``[L, H, Dv]`` in the dtype of ``q``. ``rab: [B|1, H|1, N, N]`` is added
     inside the silu; ``intervals: [H|1, L, 3]`` replaces the mask; ``pos_w: [2N-1]`` and/or ``ts_w:
-    [num_buckets+1]`` with ``timestamps: [L]`` add the table bias computed in the kernel (docs/semantics.md)."""
+    [num_buckets+1]`` with ``timestamps: [L]`` add the table bias computed in the kernel (docs/semantics.md);
+    ``ts_bounds: [num_buckets]`` are its time-bucket thresholds (None: the default fp64-log bucket's)."""
     return _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
-                contextual_seq_len, min_full_attn_seq_len, causal, 0, tma, rab, intervals, timestamps, pos_w, ts_w)
+                contextual_seq_len, min_full_attn_seq_len, causal, 0, tma, rab, intervals, timestamps, pos_w, ts_w,
+                ts_bounds)
 
 
 def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
@@ -1464,7 +1596,7 @@ def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num
 def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
                        max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True, *,
                        deterministic=False, tma=None, rab=None, intervals=None, rab_grad=False, timestamps=None,
-                       pos_w=None, ts_w=None, table_grad=False):
+                       pos_w=None, ts_w=None, table_grad=False, ts_bounds=None):
     """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``); ``d_rab`` (rab's shape and
     dtype, summed over its broadcast dims) appended when ``rab_grad``, then ``(d_pos_w, d_ts_w)`` (the
     tables' dtypes; None for an absent table) when ``table_grad``."""
@@ -1475,7 +1607,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     rab_grad = bool(rab_grad) and rab is not None
     rab_args = _rab_args(rab, B, H, max_seq_len)
     iv_args = _iv_args(intervals, H, L)
-    tab_args, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len)
+    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds)
     table_grad = bool(table_grad) and bool(tab_flags)
     dk = _new((L, H, Dq), k.dtype, k.device)
     dv = _new((L, H, Dv), v.dtype, v.device)
@@ -1566,7 +1698,8 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             sdq[0], sdq[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), stride_s) + tail + rab_args \
         + iv_args + ((drab,) + g_strides if rab_grad else (None, 0, 0, 0, 0)) + tab_args \
-        + (dpos, dts, copies, dpos.stride(0) if dpos is not None else 0, dts.stride(0) if dts is not None else 0)
+        + (dpos, dts, copies, dpos.stride(0) if dpos is not None else 0, dts.stride(0) if dts is not None else 0) \
+        + tab_bnd
     dkdv_kw = dict(common, DQ_MODE=dq_mode, TMA=tma_dkdv)
     if rab_grad:
         dkdv_kw["RAB_GRAD"] = rab_mode
@@ -1584,7 +1717,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                     v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                     dq.stride(0), dq.stride(1), stride_s, float(alpha), float(scale_const), 1.0) + tail[2:] \
-                + rab_args + iv_args + tab_args
+                + rab_args + iv_args + tab_args + tab_bnd
             _launch("dq", max_seq_len, B * H, max(bdq, bdv), args, common, fp32=q.dtype == torch.float32)
         else:
             dq = dq_acc if q.dtype == torch.float32 else _new((L, H, Dq), q.dtype, q.device)
