@@ -238,7 +238,7 @@ def describe(plan: Plan) -> str:
         parts.append(f"min_full_attn_seq_len={f}")
     parts += [x for x in (attn_bias.describe(plan), attn_tables.describe(plan), attn_intervals.describe(plan)) if x]
     if plan.rab is not None and plan.rab.table_reasons:
-        parts.append("dense, not tables: " + "; ".join(plan.rab.table_reasons))
+        parts.append("stays dense: " + "; ".join(plan.rab.table_reasons))
     pads = sorted({op_name(x.D) for x in (plan.q, plan.k, plan.v)})
     if any(x.narrows for x in (plan.q, plan.k, plan.v)):
         pads.append(f"feature slices of {'/'.join(sorted({x.D.name for x in (plan.q, plan.k, plan.v)}))}")

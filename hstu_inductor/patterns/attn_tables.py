@@ -82,6 +82,7 @@ class TermCheck:
     bounds: torch.Tensor = None       # thresholds of the bucket (CPU)
     order_i: list = None              # closure of I from X (native dtypes)
     order_r: list = None              # closure of R from the tables, X and I (float64)
+    sizes: list = dataclasses.field(default_factory=list)  # SymInt leaves of both closures
     deltas: set = dataclasses.field(default_factory=set)   # c - (N - 1) per probe
     reason: str = None                # why the term stays a dense rab term
 
@@ -184,6 +185,8 @@ def _structure(tc, plan, leaves, tables):
     cut = {tc.stamps, tc.index} - {None}
     tc.order_r, rleaves = closure([t.node], cut)
     extra = _tensor_leaves(rleaves, {plan.offsets, tc.pos, tc.ts} | cut)
+    ileaves = closure([tc.index], {tc.stamps})[1] if tc.index is not None else set()
+    tc.sizes = [x for x in rleaves | ileaves if isinstance(meta_val(x), torch.SymInt)]
     if extra:
         raise Decline(f"bias term {t.node.name} also reads {extra[0].name} (not a table bias alone)")
     if tc.ts is not None and not lay.to_expr(meta_val(tc.ts).shape[0]).is_Integer:
@@ -377,9 +380,7 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
     if tc.stamps is not None:
         binding = solve_binding([(meta_val(tc.stamps).shape[0], Lp)], binding)
         raw = probe_timestamps(Lp, meta_val(tc.stamps).dtype, gen)
-        envn = evaluate(gm, tc.order_i, {**env0, tc.stamps: raw}, native=True)
         env[tc.stamps] = raw.to(torch.float64) if raw.is_floating_point() else raw
-        env[tc.index] = envn[tc.index]
     tabs = [T for T in (tc.pos, tc.ts) if T is not None]
     pairs = []
     for p_idx, T in enumerate(tabs):
@@ -388,6 +389,13 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
             pairs.append((size, 2 * Np - 1 + 3 * (len(tc.deltas) % 2)))  # a free table size: probe two
     binding = solve_binding(pairs, binding) if pairs else binding
     tshape = {T: [concrete(s, binding) for s in meta_val(T).shape] for T in tabs}
+    for x in tc.sizes:  # size reads of the timestamps / tables: their own symbols, bound just above
+        try:
+            env[x] = concrete(meta_val(x), binding)
+        except Decline:
+            pass
+    if tc.stamps is not None:
+        env[tc.index] = evaluate(gm, tc.order_i, {**env, tc.stamps: raw}, native=True)[tc.index]
     lc = lay.concretize(t.layout, binding)
 
     def at(values):

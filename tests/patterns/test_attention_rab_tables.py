@@ -42,12 +42,12 @@ def _dt_next(tsp, n=N):
 class TableBias(torch.nn.Module):
     """``forward(q, k, v, offsets, ts)``: attention with a bias spelled ``spelling``."""
 
-    def __init__(self, spelling, seed=0, pos_len=2 * N - 1):
+    def __init__(self, spelling, seed=0, pos_len=2 * N - 1, nb=NB):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.spelling = spelling
+        self.spelling, self.nb = spelling, nb
         self.pos_w = torch.nn.Parameter(torch.randn(pos_len, generator=g))
-        self.ts_w = torch.nn.Parameter(torch.randn(NB + 1, generator=g))
+        self.ts_w = torch.nn.Parameter(torch.randn(nb + 1, generator=g))
         if spelling == "embedding":
             self.pos_emb = torch.nn.Embedding(2 * N - 1, 1)
             self.ts_emb = torch.nn.Embedding(NB + 1, 1)
@@ -74,7 +74,7 @@ class TableBias(torch.nn.Module):
             bucketed = (torch.log(torch.abs(dt).clamp(min=1)) / 0.301).long()
             if sp == "near_mod7":
                 bucketed = bucketed % 7
-            bucketed = torch.clamp(bucketed, min=0, max=NB).detach()
+            bucketed = torch.clamp(bucketed, min=0, max=self.nb).detach()
             tb = torch.index_select(self.ts_w, dim=0, index=bucketed.view(-1)).view(B, N, N)
             return (pos + tb).unsqueeze(1)
         if sp == "gr":  # float timestamps, cat'ed zeros for the pad-and-repeat, ts_w[bucket]
@@ -206,8 +206,9 @@ def _graph(model, args):
 
 def test_op_arguments_original(fresh_dynamo):
     """The original spelling: rab None, the user's tables (pos_w a view when it is exactly [2N-1]),
-    int64 timestamps, and the fp32-log thresholds as a constant buffer (not the fp64 definition's)."""
-    model = TableBias("original")
+    int64 timestamps, and the fp32-log thresholds as a constant buffer (128 buckets: not the fp64
+    definition's)."""
+    model = TableBias("original", nb=128)
     args = make_args(LENGTHS, 1, "original")
     gm, op, _ = _graph(model, args)
     rab, stamps, pos_w, ts_w, bounds = op.args[12], op.args[14], op.args[15], op.args[16], op.args[17]
@@ -215,10 +216,10 @@ def test_op_arguments_original(fresh_dynamo):
     assert pos_w.op == "placeholder" and ts_w.op == "placeholder"
     assert bounds.op == "get_attr"
     got = getattr(gm, bounds.target)
-    fp32 = time_bucket_bounds(NB, torch.int64, lambda dt: torch.clamp(
-        (torch.log(dt.abs().clamp(min=1)) / 0.301).long(), 0, NB))
+    fp32 = time_bucket_bounds(128, torch.int64, lambda dt: torch.clamp(
+        (torch.log(dt.abs().clamp(min=1)) / 0.301).long(), 0, 128))
     assert torch.equal(got, fp32), (got, fp32)
-    assert not torch.equal(got, time_bucket_bounds(NB, torch.int64, lambda dt: time_buckets(dt, NB)))
+    assert not torch.equal(got, time_bucket_bounds(128, torch.int64, lambda dt: time_buckets(dt, 128)))
     # nothing N x N is computed for the op: every input of the call is a graph input, a view or a constant
     assert all(a is None or not isinstance(a, torch.fx.Node) or a.meta["val"].numel() < N * N
                or a.op == "placeholder" or a.target is torch.ops.aten.view.default for a in op.args[:12])
