@@ -37,6 +37,7 @@ import operator
 
 import torch
 
+from .. import config
 from ..reference.jagged import jagged_to_padded
 from ..reference.rab import buckets_from_bounds, time_bucket_bounds
 from . import attn_layout as lay
@@ -110,7 +111,7 @@ def _tensor_leaves(leaves, allowed):
 
 def analyse(plan) -> list:
     """A :class:`TermCheck` for every bias term that reads a 1-D float table (structural part)."""
-    if plan.rab is None:
+    if plan.rab is None or not config.rab_tables:
         return []
     out = []
     for t in plan.rab.terms:
