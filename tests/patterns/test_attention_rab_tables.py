@@ -297,3 +297,58 @@ def test_bucket_check_rejects_non_monotone():
         attn_tables.check_bounds(fn, b, NB, torch.int64)
     ok = lambda dt: torch.clamp((torch.log(dt.abs().clamp(min=1)) / 0.301).long(), 0, NB)  # noqa: E731
     attn_tables.check_bounds(ok, time_bucket_bounds(NB, torch.int64, ok), NB, torch.int64)
+
+
+@pytest.mark.parametrize("kind", ["hstu_rel", "gr_pad_repeat"])
+def test_symbolic_max_len_tables_training(kind, fresh_dynamo):
+    """``N`` passed as an int that changes between calls (symbolic after one recompile), the tables
+    of ``2N - 1`` rows inputs of their own size: path (b) in both graphs (the op's ``pos_w`` a slice
+    up to ``2N - 1`` of the runtime N), outputs and gradients of q, k, v and both tables equal eager."""
+    from test_attention_rab import NUM_BUCKETS, _rab_n
+    from test_attention_rab import make_args as rab_args
+
+    compiled = torch.compile(_rab_n, backend=REWRITE_BACKEND)
+    with collecting() as report:
+        for n, lens in ((16, [16, 0, 1, 9]), (20, [20, 3, 7, 1]), (24, [1, 2, 24, 5])):
+            q, k, v, offsets, _, ts = rab_args(lens, seed=n, requires_grad=True)
+            g = torch.Generator().manual_seed(n)
+            pos_w = torch.randn(2 * n - 1, generator=g).requires_grad_()
+            ts_w = torch.randn(NUM_BUCKETS + 1, generator=g).requires_grad_()
+            args = (q, k, v, offsets, ts, pos_w, ts_w, n, kind)
+            got, ref = compiled(*args), _rab_n(*args)
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+            gr = torch.randn_like(ref)
+            leaves = (q, k, v, pos_w, ts_w)
+            for a, b in zip(torch.autograd.grad(got, leaves, gr), torch.autograd.grad(ref, leaves, gr)):
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    assert report.counts["attention"] == report.graphs == 2, report
+    assert "(symbolic)" in report.details[1][1] and all("tables:" in d and "rab=" not in d
+                                                         for _, d in report.details), report.details
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "dynamic"])
+@pytest.mark.parametrize("spelling", ["original", "gr", "time_only"])
+def test_gpu_tables_compile_modes(spelling, mode):
+    """CUDA, ``backend="hstu"``: the kernels' table bias with the user's thresholds, under the default
+    mode, ``reduce-overhead`` (CUDA graphs; the thresholds are a lifted buffer) and ``dynamic=True``;
+    training outputs and table gradients equal eager (fp32, kernel tolerances)."""
+    torch._dynamo.reset()
+    model = TableBias(spelling, nb=128 if spelling == "original" else NB).cuda()
+    kw = {"dynamic": True} if mode == "dynamic" else {"mode": mode} if mode != "default" else {}
+    compiled = torch.compile(model, backend="hstu", **kw)
+    with collecting() as report:
+        for step, (seed, lens) in enumerate(((1, LENGTHS), (2, LENGTHS2), (1, LENGTHS), (2, LENGTHS2))):
+            args = [a.cuda() for a in make_args(lens, seed, spelling)]
+            for a in args[:3]:
+                a.requires_grad_()
+            got, ref = compiled(*args), model(*args)
+            torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-4)
+            g = torch.randn_like(ref)
+            leaves = [*args[:3], model.pos_w, model.ts_w]
+            for a, b in zip(torch.autograd.grad(got, leaves, g, allow_unused=True),
+                            torch.autograd.grad(ref, leaves, g, allow_unused=True)):
+                if b is not None:
+                    torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+    assert report.counts["attention"] >= 1 and all("tables:" in d for _, d in report.details), report
