@@ -85,6 +85,7 @@ class TermCheck:
     order_r: list = None              # closure of R from the tables, X and I (float64)
     sizes: list = dataclasses.field(default_factory=list)  # SymInt leaves of both closures
     deltas: set = dataclasses.field(default_factory=set)   # c - (N - 1) per probe
+    probes: int = 0
     reason: str = None                # why the term stays a dense rab term
 
 
@@ -135,6 +136,7 @@ def op_has_tables() -> bool:
 
 
 def _views(T, within):
+    """``T`` and the views / casts of it inside the term (what a gather may read)."""
     out, stack = {T}, [T]
     while stack:
         n = stack.pop()
@@ -159,6 +161,8 @@ def _gather_index(n, views):
 
 
 def _structure(tc, plan, leaves, tables):
+    """The time table (gathered by data), the position table (the other one), the bucket, the
+    timestamps and the evaluation orders; Decline when the term cannot be the table bias."""
     t = tc.term
     order, _ = closure([t.node], set())
     within = set(order)
@@ -176,10 +180,12 @@ def _structure(tc, plan, leaves, tables):
         raise Decline("the time table is gathered more than once (or several tables by data)")
     if timed:
         tc.ts, tc.index = timed[0]
+        if not lay.to_expr(sym_expr(meta_val(tc.ts).shape[0])).is_Integer:
+            raise Decline("time table of symbolic size (the thresholds depend on its length)")
         _bucket(tc, plan)
     rows = sym_expr(meta_val(plan.q.src).shape[0])
-    rest = [T for T in tables if T is not tc.ts and T is not tc.source  # float timestamps are no table
-            and not lay.eq(sym_expr(meta_val(T).shape[0]), rows)]
+    rest = [T for T in tables if T is not tc.ts and T is not tc.source  # float [L] timestamps are no table
+            and not (rows.free_symbols and lay.eq(sym_expr(meta_val(T).shape[0]), rows))]
     if len(rest) > 1:
         raise Decline(f"{len(rest)} tables gathered by position (the op takes one)")
     tc.pos = rest[0] if rest else None
@@ -190,8 +196,6 @@ def _structure(tc, plan, leaves, tables):
     tc.sizes = [x for x in rleaves | ileaves if isinstance(meta_val(x), torch.SymInt)]
     if extra:
         raise Decline(f"bias term {t.node.name} also reads {extra[0].name} (not a table bias alone)")
-    if tc.ts is not None and not lay.to_expr(meta_val(tc.ts).shape[0]).is_Integer:
-        raise Decline("time table of symbolic size")
 
 
 def _bucket(tc, plan):
@@ -216,6 +220,9 @@ def _bucket(tc, plan):
             if cur.args[0] is not ins[0]:
                 raise Decline(f"time bucket: {cur.name} gathers by the timestamps")
         elif cur.target in _MONOTONE or cur.target is aten.abs.default:
+            uses = _uses(cur, ins[0])
+            if uses != 1:  # x * x is no monotone function of x
+                raise Decline(f"time bucket: {cur.name} ({_name(cur)}) reads the gap {uses} times")
             if cur.target in _FIRST_ONLY and cur.args[0] is not ins[0]:
                 raise Decline(f"time bucket: {cur.name} ({_name(cur)}) divides by the gap (not monotone)")
             for a in cur.all_input_nodes:
@@ -239,7 +246,7 @@ def _bucket(tc, plan):
         raise Decline(f"time gap of dtype {gdt} (int32/int64/fp32/fp64 only)")
     tc.stamps = _stamps(tc.gap, srcs[0], plan)
     tc.order_i, _ = closure([tc.index], {tc.stamps})
-    nb = int(meta_val(tc.ts).shape[0]) - 1
+    nb = int(sym_expr(meta_val(tc.ts).shape[0])) - 1
     fn = _chain_fn(chain, tc.gap)
     tc.bounds = time_bucket_bounds(nb, gdt, fn)
     check_bounds(fn, tc.bounds, nb, gdt)
@@ -247,6 +254,18 @@ def _bucket(tc, plan):
 
 def _name(n):
     return getattr(n.target, "__name__", str(n.target))
+
+
+def _uses(n, x) -> int:
+    """How many times ``n``'s arguments name ``x``."""
+    count = 0
+
+    def visit(a):
+        nonlocal count
+        count += a is x
+        return a
+    torch.fx.node.map_arg((n.args, n.kwargs), visit)
+    return count
 
 
 def _stamps(G, src, plan):
@@ -289,7 +308,11 @@ def _chain_fn(chain, G):
                 else:
                     raise Decline(f"time bucket reads input {x.name}")
             consts[a] = evaluate(gm, order, env, native=True)[a]
-            if isinstance(consts[a], torch.Tensor) and n.target is not aten.bucketize.Tensor:
+            if n.target is aten.bucketize.Tensor:
+                b = consts[a]
+                if b.dim() != 1 or bool((b[1:] < b[:-1]).any()):
+                    raise Decline("time bucket: bucketize against boundaries that are not sorted")
+            elif isinstance(consts[a], torch.Tensor):
                 consts[a] = consts[a].reshape(())
 
     def fn(dt):
@@ -384,10 +407,16 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
         env[tc.stamps] = raw.to(torch.float64) if raw.is_floating_point() else raw
     tabs = [T for T in (tc.pos, tc.ts) if T is not None]
     pairs = []
-    for p_idx, T in enumerate(tabs):
-        size = meta_val(T).shape[0]
-        if T is tc.pos and lay.to_expr(sym_expr(size)).free_symbols - set(binding):
-            pairs.append((size, 2 * Np - 1 + 3 * (len(tc.deltas) % 2)))  # a free table size: probe two
+    if tc.pos is not None:  # a table size of its own symbol: probed at two values (the window must not move)
+        V = sym_expr(meta_val(tc.pos).shape[0])
+        if V.free_symbols and not lay.eq(V, 2 * lay.to_expr(plan.N) - 1):
+            taken = set().union(*(sym_expr(s).free_symbols for s in (
+                meta_val(plan.q.src).shape[0], meta_val(plan.offsets).shape[0], lay.to_expr(plan.N),
+                *(meta_val(tc.stamps).shape if tc.stamps is not None else ()))))
+            if V.free_symbols & taken:
+                raise Decline(f"position table {tc.pos.name}'s size shares a symbol with the jagged sizes or N")
+            pairs.append((V, 2 * Np - 1 + 3 * (tc.probes % 2)))
+    tc.probes += 1
     binding = solve_binding(pairs, binding) if pairs else binding
     tshape = {T: [concrete(s, binding) for s in meta_val(T).shape] for T in tabs}
     for x in tc.sizes:  # size reads of the timestamps / tables: their own symbols, bound just above

@@ -105,6 +105,10 @@ class TableBias(torch.nn.Module):
             dt = _dt_next(pad(ts.to(torch.int32), offsets))
             b = torch.bucketize(dt.abs(), bounds, right=True)
             return self.ts_w[b].unsqueeze(1)
+        if sp == "near_square":  # (|dt| - 300)^2 as x * x: not monotone in |dt|
+            x = _dt_next(pad(ts, offsets)).abs().to(torch.float32) - 300.0
+            b = (torch.log((x * x).clamp(min=1.0)) / 1.5).floor().clamp(0, NB).long()
+            return self.ts_w[b].unsqueeze(1)
         if sp == "near_i_plus_j":
             return self.pos_w[i[None, :] + i[:, None]]
         if sp == "near_wraps":  # N - 2 + j - i: -1 at j - i = 1 - N reads the table's last row
@@ -239,6 +243,7 @@ NEAR = {
     "near_wraps": "table",
     "near_mod7": "not a monotone op",
     "near_no_next": "bucket(ts(next(i)) - ts(j))",
+    "near_square": "reads the gap 2 times",
 }
 
 
