@@ -67,8 +67,8 @@ def find_bias(s_order, sderived, layouts, plan) -> Bias | None:
         a0, a1 = n.args
         for pos, (mine, other) in enumerate(((a0, a1), (a1, a0))):
             if mine in sderived and isinstance(other, torch.fx.Node) and other not in sderived and is_float(other):
-                sign = _ADDS[n.target] if pos == 1 else 1.0
-                if n.target is aten.sub.Tensor and pos == 0:  # R - scores: the scores are negated, no bias form
+                sign = _ADDS[n.target] if pos == 0 else 1.0  # scores - R: sign -1
+                if n.target is aten.sub.Tensor and pos == 1:  # R - scores: the scores are negated, no bias form
                     raise Decline(f"{op_name(n)} subtracts the scores from {other.name}: not scores + bias")
                 terms.append(BiasTerm(other, n, sign, _align(other, layouts[n])))
     if not terms:
@@ -180,7 +180,7 @@ def emit_rab(call, plan, N_arg):
         if t.sign != 1.0:
             x = call(aten.neg.default, [x])
         out = x if out is None else call(aten.add.Tensor, [out, x])
-    if bias.coeff != 1.0:
+    if out is not None and bias.coeff != 1.0:
         out = call(aten.mul.Tensor, [out, bias.coeff])
     return out
 

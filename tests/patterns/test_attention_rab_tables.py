@@ -57,7 +57,7 @@ class TableBias(torch.nn.Module):
     def bias(self, ts, offsets):
         sp = self.spelling
         i = torch.arange(N, device=ts.device)
-        if sp in ("original", "with_head_bias", "near_mod7", "near_no_next"):
+        if sp in ("original", "with_head_bias", "near_mod7", "near_no_next", "inside_alpha", "subtracted"):
             # the original HSTU's relative bias (our code): pad-and-repeat positions, int64 timestamps
             # extended by their last column, fp32 log buckets, detached, index_select
             tsp = pad(ts, offsets)
@@ -118,7 +118,12 @@ class TableBias(torch.nn.Module):
     def forward(self, q, k, v, offsets, ts):
         L = q.shape[0]
         qp, kp, vp = (pad(t, offsets) for t in (q, k, v))
-        s = torch.einsum("bnhd,bmhd->bhnm", qp, kp) * ALPHA + self.bias(ts, offsets)
+        if self.spelling == "inside_alpha":  # silu((qk + bias) * alpha): the op's tables times alpha
+            s = (torch.einsum("bnhd,bmhd->bhnm", qp, kp) + self.bias(ts, offsets)) * ALPHA
+        elif self.spelling == "subtracted":  # qk * alpha - bias: the tables negated
+            s = torch.einsum("bnhd,bmhd->bhnm", qp, kp) * ALPHA - self.bias(ts, offsets)
+        else:
+            s = torch.einsum("bnhd,bmhd->bhnm", qp, kp) * ALPHA + self.bias(ts, offsets)
         if self.spelling == "with_head_bias":
             s = s + self.head_bias
         s = F.silu(s) / N * hstu_mask(offsets)[:, None]
@@ -180,6 +185,8 @@ RECOGNISED = {  # spelling -> (tables expected in the report, a dense rab term e
     "index_select": ("pos_w=", "ts_w="),
     "position_only": ("pos_w=",),
     "time_only": ("ts_w=",),
+    "inside_alpha": ("pos_w=", "ts_w="),
+    "subtracted": ("pos_w=", "ts_w="),
 }
 
 
@@ -357,3 +364,13 @@ def test_gpu_tables_compile_modes(spelling, mode):
                 if b is not None:
                     torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
     assert report.counts["attention"] >= 1 and all("tables:" in d for _, d in report.details), report
+
+
+def test_subtracted_bias_dense_path(fresh_dynamo):
+    """``qk * alpha - bias`` with the tables off: a dense term of sign -1 (``rab=-<bias>``), eager-equal
+    (``scores - R`` was once read as ``R - scores`` and declined)."""
+    import hstu_inductor
+
+    with hstu_inductor.config.patch(rab_tables=False):
+        details = _check(TableBias("subtracted"), expect_tables=False)
+    assert all("rab=-" in d for d in details), details
