@@ -278,8 +278,14 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                            plan=plan, last=list(post)[-1] if post else plan.out, B=Bs, N=N if isinstance(N, int) else None,
                            L=Ls, descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
                            lengths=plan.lengths, leaves=leaves)
-            # a bias / interval tensor stays an input of the generalised copy (probed, never generalised)
-            err.sizes.cut = {**attn_bias.cut_sizes(plan), **attn_intervals.cut_sizes(plan)}
+            # a bias / interval tensor stays an input of the generalised copy (probed, never generalised),
+            # except, on a first attempt, a bias term that looks like the table bias: its producers are
+            # generalised with the rest so that the table proof (attn_tables) runs on the small copy
+            # (attention.py retries with it cut when that copy does not generalise or prove)
+            cut = attn_bias.cut_sizes(plan)
+            tabled = {tc.term.node for tc in attn_tables.analyse(plan) if tc.reason is None}
+            err.table_cut = {n: d for n, d in cut.items() if n in tabled}
+            err.sizes.cut = {**{n: d for n, d in cut.items() if n not in tabled}, **attn_intervals.cut_sizes(plan)}
             raise err
 
         # pads

@@ -535,7 +535,10 @@ def emit_tables(call, gm, plan, N_arg) -> list:
         stamps = tabs.stamps
         if meta_val(stamps).dtype != tabs.ts_dtype:
             stamps = call(aten._to_copy.default, [stamps], {"dtype": tabs.ts_dtype})
-        bounds = _constant(gm, tabs.bounds, meta_val(stamps).device, meta_val(stamps))
+        # get_attr + lift_fresh_copy: how a graph holds a tensor constant (fake modes lift it, so a
+        # re-trace of the graph under one, as generalize._specialise does, takes it too)
+        bounds = call(aten.lift_fresh_copy.default,
+                      [_constant(gm, tabs.bounds, meta_val(stamps).device, meta_val(stamps))])
     return [stamps, pos_w, ts_w, bounds]
 
 
