@@ -42,7 +42,8 @@ from ..reference.jagged import jagged_to_padded
 from ..reference.rab import buckets_from_bounds, time_bucket_bounds
 from . import attn_layout as lay
 from .attn_find import meta_val
-from .prover import Decline, attribute, close, closure, concrete, evaluate, probe_values, solve_binding, sym_expr
+from .generalize import CONST_PREFIX
+from .prover import Decline, attribute, hints, close, closure, concrete, evaluate, probe_values, solve_binding, sym_expr
 
 aten = torch.ops.aten
 
@@ -300,9 +301,7 @@ def _chain_fn(chain, G):
             for x in leaves:
                 v = meta_val(x)
                 if isinstance(v, (torch.SymInt, int)):
-                    if not lay.to_expr(sym_expr(v)).is_Integer:
-                        raise Decline(f"time bucket reads the symbolic size {x.name}")
-                    env[x] = int(sym_expr(v))
+                    env[x] = _real_int(x)
                 elif x.op == "get_attr":
                     env[x] = attribute(gm, x.target).detach().cpu()
                 else:
@@ -330,6 +329,18 @@ def _chain_fn(chain, G):
             prev = env[n]
         return prev
     return fn
+
+
+def _real_int(x) -> int:
+    """A size the bucket reads, as the constant it is: an int, or in a generalised graph a literal
+    made a symbol (``generalize.CONST_PREFIX``: a clamp to ``num_buckets`` looks like a mask constant),
+    at its real value (its hint). Any other symbolic size: Decline."""
+    e = sym_expr(meta_val(x))
+    if e.is_Integer:
+        return int(e)
+    if x.op == "placeholder" and str(x.target).startswith(CONST_PREFIX):
+        return int(hints(meta_val(x))[e])
+    raise Decline(f"time bucket reads the symbolic size {x.name}")
 
 
 def _top(dtype):
@@ -421,7 +432,9 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
     tshape = {T: [concrete(s, binding) for s in meta_val(T).shape] for T in tabs}
     for x in tc.sizes:  # size reads of the timestamps / tables: their own symbols, bound just above
         try:
-            env[x] = concrete(meta_val(x), binding)
+            # a generalised literal in the term (its bucket's clamp) keeps its real value: the
+            # thresholds are computed with it
+            env[x] = _real_int(x) if str(x.target).startswith(CONST_PREFIX) else concrete(meta_val(x), binding)
         except Decline:
             pass
     if tc.stamps is not None:

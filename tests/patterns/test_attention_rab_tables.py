@@ -374,3 +374,45 @@ def test_subtracted_bias_dense_path(fresh_dynamo):
     with hstu_inductor.config.patch(rab_tables=False):
         details = _check(TableBias("subtracted"), expect_tables=False)
     assert all("rab=-" in d for d in details), details
+
+
+def test_original_production_size_fake():
+    """B=128, N=4096 static under fake tensors (nothing allocated): the original spelling (pad-and-repeat
+    positions, fp32-log buckets of int64 timestamps, 128 buckets) is proven on the generalised copy
+    and goes to the tables; the thresholds are the fp32 ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from _rewrite import rewrite_exported
+
+    n, B, nb = 4096, 128, 128
+
+    class Prod(torch.nn.Module):
+        def forward(self, q, k, v, offsets, ts, pos_w, ts_w):
+            L = q.shape[0]
+            qp, kp, vp = (pad(t, offsets, n) for t in (q, k, v))
+            tsp = pad(ts, offsets, n)
+            t = F.pad(pos_w[: 2 * n - 1], [0, n]).repeat(n)[..., :-n].reshape(1, n, 3 * n - 2)
+            pos = t[:, :, n - 1: 2 * n - 1]
+            ext = torch.cat([tsp, tsp[:, n - 1:n]], dim=1)
+            bk = torch.clamp((torch.log(torch.abs(ext[:, 1:].unsqueeze(2) - ext[:, :-1].unsqueeze(1)).clamp(min=1))
+                              / 0.301).long(), min=0, max=nb).detach()
+            bias = (pos + torch.index_select(ts_w, 0, bk.view(-1)).view(-1, n, n)).unsqueeze(1)
+            s = F.silu(torch.einsum("bnhd,bmhd->bhnm", qp, kp) * ALPHA + bias) / n
+            return unpad(torch.einsum("bhnm,bmhd->bnhd", torch.tril(s), vp), offsets, L)
+
+    L = B * n - 3 * n // 2
+    with FakeTensorMode():
+        args = [torch.empty(L, 4, 128) for _ in range(3)] + [torch.empty(B + 1, dtype=torch.int64),
+                                                              torch.empty(L, dtype=torch.int64),
+                                                              torch.empty(2 * n - 1), torch.empty(nb + 1)]
+        ep = torch.export.export(Prod(), tuple(args))
+    report, gm, secs = rewrite_exported(ep)
+    assert report.counts["attention"] == 1, report.near_misses
+    (op,) = [x for x in gm.graph.nodes if x.op == "call_function" and x.target is ATTN]
+    assert op.args[12] is None and "tables:" in report.details[0][1], report.details
+    bounds = op.args[17]
+    while bounds.op != "get_attr":
+        bounds = bounds.args[0]
+    fp32 = time_bucket_bounds(nb, torch.int64, lambda dt: torch.clamp(
+        (torch.log(dt.abs().clamp(min=1)) / 0.301).long(), 0, nb))
+    assert torch.equal(getattr(gm, bounds.target), fp32)
+    print(f"\noriginal spelling at B=128, N=4096: {secs:.2f} s; {report.details}")
