@@ -225,8 +225,8 @@ def test_op_arguments_original(fresh_dynamo):
     rab, stamps, pos_w, ts_w, bounds = op.args[12], op.args[14], op.args[15], op.args[16], op.args[17]
     assert rab is None and stamps.op == "placeholder" and stamps.meta["val"].dtype == torch.int64
     assert pos_w.op == "placeholder" and ts_w.op == "placeholder"
-    assert bounds.op == "get_attr"
-    got = getattr(gm, bounds.target)
+    assert bounds.target is torch.ops.aten.lift_fresh_copy.default and bounds.args[0].op == "get_attr"
+    got = getattr(gm, bounds.args[0].target)
     fp32 = time_bucket_bounds(128, torch.int64, lambda dt: torch.clamp(
         (torch.log(dt.abs().clamp(min=1)) / 0.301).long(), 0, 128))
     assert torch.equal(got, fp32), (got, fp32)
