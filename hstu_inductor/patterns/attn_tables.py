@@ -28,6 +28,13 @@ What is read from the graph (structure), and what is proven (numbers):
   constant ``c`` (across probe values of a symbolic ``N``: ``c - N`` constant), and the time index the
   reference bucket of the 0-padded timestamps' ``ts(next(i)) - ts(j)``, on every in-sequence position
   of every head.
+
+Static sizes too large to probe: ``attn_prove`` leaves a term that :func:`analyse` finds plausible
+uncut in the generalised copy (``attention._prove_generalised``), so this proof runs there on small
+probes; a literal of the bucket that the copy made a constant symbol is read at its real value.
+
+The thresholds reach the graph as a buffer of the rewritten module (``get_attr`` + ``lift_fresh_copy``,
+:func:`emit_tables`): AOTAutograd lifts it like the model's own buffers, export keeps it as state.
 """
 from __future__ import annotations
 
@@ -123,7 +130,7 @@ def analyse(plan) -> list:
             continue
         tc = TermCheck(t)
         try:
-            _structure(tc, plan, leaves, tables)
+            _structure(tc, plan, tables)
         except Decline as e:
             tc.reason = str(e)
         out.append(tc)
@@ -161,7 +168,7 @@ def _gather_index(n, views):
     return None
 
 
-def _structure(tc, plan, leaves, tables):
+def _structure(tc, plan, tables):
     """The time table (gathered by data), the position table (the other one), the bucket, the
     timestamps and the evaluation orders; Decline when the term cannot be the table bias."""
     t = tc.term
@@ -190,6 +197,8 @@ def _structure(tc, plan, leaves, tables):
     if len(rest) > 1:
         raise Decline(f"{len(rest)} tables gathered by position (the op takes one)")
     tc.pos = rest[0] if rest else None
+    if tc.pos is None and tc.ts is None:
+        raise Decline(f"bias term {t.node.name} reads no table besides its timestamps")
     cut = {tc.stamps, tc.index} - {None}
     tc.order_r, rleaves = closure([t.node], cut)
     extra = _tensor_leaves(rleaves, {plan.offsets, tc.pos, tc.ts} | cut)
