@@ -51,6 +51,7 @@ import triton.language as tl
 
 from .. import _compat
 from .common import interpret as _interpret
+from .common import address_source
 from .common import launcher as _launcher
 from .common import new_tensor
 from ..reference.rab import default_time_bucket_bounds
@@ -1600,6 +1601,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
          min_full_attn_seq_len, causal, delta_rows, tma, rab=None, intervals=None, timestamps=None, pos_w=None,
          ts_w=None, ts_bounds=None):
     _check_inputs(q, k, v, seq_offsets, num_targets)
+    seq_offsets = address_source(seq_offsets)
     tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len, ts_bounds)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
@@ -1659,6 +1661,11 @@ def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num
         raise ValueError(f"delta_q rows {delta_q.shape[0]} not a multiple of B={B}")
     if D == 0:
         return delta_q.new_zeros((0, delta_q.shape[1], v.shape[2]))
+    from . import delta  # imports this module: loaded on first use
+
+    if D <= delta.max_delta_rows():  # few rows: the key range split across programs
+        return delta.delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
+                                   max_attn_len, contextual_seq_len)
     return _fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
                 contextual_seq_len, 0, True, D, tma)
 
@@ -1671,6 +1678,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     dtype, summed over its broadcast dims) appended when ``rab_grad``, then ``(d_pos_w, d_ts_w)`` (the
     tables' dtypes; None for an absent table) when ``table_grad``."""
     _check_inputs(q, k, v, seq_offsets, num_targets)
+    seq_offsets = address_source(seq_offsets)
     L, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
