@@ -1,7 +1,10 @@
 """Benchmark cached (delta) HSTU attention: the last D rows of every sequence attend to the whole cache.
 
 Providers, one process, same inputs (B sequences of lengths U[0.9N, N), H heads, bf16, causal):
-  * ``ours``      ``kernels.delta_hstu_attention_fwd`` on ``delta_q: [B*D, H, Dq]``;
+  * ``ours``      ``kernels.delta_hstu_attention_fwd`` on ``delta_q: [B*D, H, Dq]`` (key range split
+                  across programs for D <= 128, kernels/delta.py); ``ours_rowblk``: the full forward's
+                  row blocks, one program per (sequence, head, row block), as before issue 22;
+                  ``split_cK``: kernels/delta.py with its config K (``--configs``);
   * ``dense``     what a model without a delta path does: the full forward over all L rows
                   (``kernels.hstu_attention_fwd``), of which only the last D rows per sequence are used;
   * ``gr_tma`` / ``gr``  generative-recommenders' ``triton_cached_hstu_mha`` (TMA on / off), imported
@@ -33,9 +36,11 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--configs", type=int, nargs="*", default=[], help="also time kernels/delta.py's configs")
     args = ap.parse_args()
 
     from hstu_inductor.kernels import attention as K
+    from hstu_inductor.kernels import delta as Kd
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     B, H, Dm = args.batch, args.heads, args.dim
@@ -65,7 +70,12 @@ def main():
             dq = q[rows].contiguous()
             want = dense[rows].float()
             flops = 2.0 * H * D * float(lengths.sum()) * (2 * Dm)
-            runs = {"ours": lambda: K.delta_hstu_attention_fwd(dq, k, v, off, N, alpha)}
+            runs = {"ours": lambda: K.delta_hstu_attention_fwd(dq, k, v, off, N, alpha),
+                    # before issue 22: the full forward's row blocks, one program per (sequence, head)
+                    "ours_rowblk": lambda: K._fwd(dq, k, v, off, N, alpha, None, None, 0, 0, 0, True, D, None)}
+            for cfg in args.configs:
+                runs[f"split_c{cfg}"] = (lambda cfg=cfg: Kd.delta_forward(dq, k, v, off, N, alpha,
+                                                                          config=Kd._CONFIGS[cfg]))
             if gr is not None:
                 for name, tma in (("gr_tma", True), ("gr", False)):
                     runs[name] = (lambda tma=tma: gr.triton_cached_hstu_mha(N, alpha, dq, k, v, off, None, 0, 0, tma))

@@ -133,6 +133,40 @@ def run_cuda(args):
     write_csv(rows, args.out, "op_overhead.csv")
 
 
+def run_profile(args):
+    """cProfile of plain eager op calls (checks on, GPU stalled so the host never waits): where the host
+    time of one call goes, by function (``op_overhead_profile.txt`` under ``--out``)."""
+    import hstu_inductor  # noqa: F401  (registers the ops)
+    import cProfile
+    import io
+    import pstats
+
+    stall = int(args.stall_ms * sleep_cycles_per_ms())
+    x = inputs(args.batch[0], args.n[0], "cuda")
+    for _ in range(5):
+        op_call(*x)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    calls = 0
+    for _ in range(args.reps):
+        torch.cuda._sleep(stall)
+        prof.enable()
+        for _ in range(args.calls):
+            op_call(*x)
+        prof.disable()
+        calls += args.calls
+        torch.cuda.synchronize()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    buf.write(f"{calls} calls of hstu::attention (N={args.n[0]}, B={args.batch[0]}); times are totals\n")
+    st.sort_stats("tottime").print_stats(35)
+    st.sort_stats("cumulative").print_stats(35)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "op_overhead_profile.txt"), "w") as f:
+        f.write(buf.getvalue())
+    print(buf.getvalue()[:6000])
+
+
 def run_cpu_python(args):
     """The op's CUDA branch on CPU tensors with launches stubbed (module doc)."""
     import hstu_inductor
@@ -171,6 +205,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--stall-ms", type=float, default=50.0, help="GPU stall covering one timing's host loop")
     ap.add_argument("--cpu-python", action="store_true", help="no GPU: the Python part only, launches stubbed")
+    ap.add_argument("--profile", action="store_true", help="cProfile of op calls at the first --n / --batch")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -178,6 +213,8 @@ def main():
         return run_cpu_python(args)
     if not torch.cuda.is_available():
         ap.error("needs CUDA (or --cpu-python)")
+    if args.profile:
+        return run_profile(args)
     run_cuda(args)
 
 

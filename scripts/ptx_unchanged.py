@@ -99,6 +99,14 @@ FEATURES = {
                    DTS=("fp32",), TAB_COPIES=32, stride_pc=2047, stride_tc=129, TAB_GRAD=True, TSB=("i64",),
                    TSP=("fp32",), TS_STEPS=8),
 }
+# --features=all: also each table alone (where registers go)
+FEATURES_SPLIT = {
+    "plain": {},
+    "pos_only": dict(POSW=("fp32",), HAS_POS=True, DPOS=("fp32",), TAB_COPIES=32, stride_pc=2047, TAB_GRAD=True),
+    "ts_only": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=True, DTS=("fp32",), TAB_COPIES=32, stride_tc=129,
+                    TAB_GRAD=True, TSB=("i64",), TSP=("fp32",), TS_STEPS=8),
+    "ts_nograd": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=True, TSB=("i64",), TSP=("fp32",), TS_STEPS=8),
+}
 
 
 def _ptx(mod, kind, tma, dq_mode=0, extra=None, kernel=False):
@@ -114,10 +122,10 @@ def _ptx(mod, kind, tma, dq_mode=0, extra=None, kernel=False):
     return k if kernel else k.asm["ptx"]
 
 
-def features():
+def features(split=False):
     """Compile every kernel with each bias feature for sm90; print registers, spills, shared memory."""
     mod = _load(os.path.join(ROOT, PATH), "_attention_new")
-    for name, extra in FEATURES.items():
+    for name, extra in {**FEATURES, **(FEATURES_SPLIT if split else {})}.items():
         for kind in ("fwd", "dq", "dkdv"):
             k = _ptx(mod, kind, False, 0, extra, kernel=True)
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -163,8 +171,8 @@ def _code(ptx):
 
 
 def main():
-    if sys.argv[1:] == ["--features"]:
-        return features()
+    if sys.argv[1:2] in (["--features"], ["--features=all"]):
+        return features(split=sys.argv[1] == "--features=all")
     rev = sys.argv[1] if len(sys.argv) > 1 else "HEAD"
     old_src = subprocess.check_output(["git", "-C", ROOT, "show", f"{rev}:{PATH}"], text=True)
     tmp = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)

@@ -300,10 +300,18 @@ def concretize(layout, binding: dict) -> tuple:
     return tuple(tuple((c(s), a, c(st)) for s, a, st in d) for d in layout)
 
 
+class _Coords(dict):
+    """An axis the layout does not carry had size 1 (normalisation drops size-1 modes, e.g. the
+    sequence axis of a batch of one): its coordinate is 0 everywhere."""
+
+    def __missing__(self, axis):
+        return torch.zeros((), dtype=torch.int64)
+
+
 def coords(layout, shape) -> dict:
     """For every position of a tensor of ``shape`` with (concrete) ``layout``: its logical
-    coordinate per axis, as int64 tensors broadcastable to ``shape``."""
-    out: dict = {}
+    coordinate per axis, as int64 tensors broadcastable to ``shape`` (0 for an axis it does not carry)."""
+    out: dict = _Coords()
     nd = len(shape)
     for d, dim in enumerate(layout):
         idx = torch.arange(shape[d], dtype=torch.int64).view([-1 if i == d else 1 for i in range(nd)])

@@ -185,7 +185,10 @@ def score_modes(QL, KL, bkey, fq, axq):
     (full and delta attention): its batch is (sequence, head), no operand broadcasts, it contracts
     q/k features only, and the head and feature modes tile q's features. Raises Decline."""
     Z = lay.normalize_dim(QL[0])
-    if [mode_key(m) for m in Z].count(bkey) != 1 or any(m[1] != "b" and not str(m[1]).startswith("q") for m in Z):
+    # one sequence (B = 1, specialised by Dynamo even under dynamic=True): its size-1 mode is dropped
+    # by normalisation, so the batch holds the head modes only
+    want = 0 if bkey[0] == "1" else 1
+    if [mode_key(m) for m in Z].count(bkey) != want or any(m[1] != "b" and not str(m[1]).startswith("q") for m in Z):
         raise Decline("score product batch is not (sequence, head)")
     if any(m[1] is None for d in QL for m in d) or any(m[1] is None for d in KL for m in d):
         raise Decline("score product broadcasts an operand")
@@ -470,9 +473,11 @@ def structure(S, pv, lengths, sources=None, intervals=True) -> tuple[Plan, Subgr
     scale_leaf = scale_leaf or next((m.leaf for m in post.values() if m.leaf is not None), None)
     first = lay.normalize_dim(OL[0]) if OL else ()
     bi = (mode_key((B, "b", sympy.Integer(1))), mode_key((lay.to_expr(N), "i", sympy.Integer(1))))
+    if bi[0][0] == "1":  # one sequence: its size-1 mode is dropped by normalisation (see score_modes)
+        bi = bi[1:]
     if tuple(map(mode_key, first)) == bi:
         rest = OL[1:]
-    elif len(OL) >= 2 and tuple(map(mode_key, first)) == bi[:1] and dim_key(OL[1]) == bi[1:]:
+    elif len(OL) >= 2 and tuple(map(mode_key, first)) == bi[:-1] and dim_key(OL[1]) == bi[-1:]:
         rest = OL[2:]
     else:
         raise Decline("dense attention output is not laid out as [B, N, ...] before the unpad"

@@ -14,6 +14,10 @@ Modes (``MODES``):
   ``torch._dynamo.reset()``; outputs (and, with ``grads=True``, gradients of the float inputs and
   parameters) compared with eager by relative norm (fp32 ``1e-5`` / ``1e-4`` for gradients, bf16
   ``2e-2``).
+- ``compile_one``: one sequence (``B=1``, ``N=16``, 3..15 rows), ``dynamic=True``; Dynamo specialises
+  the size-1 batch, so this is the graph that serving at batch size 1 compiles. (A length of ``N``
+  would share N's symbol, and 2 rows a static L; the graph then admits only that one input, on
+  which a near miss can equal HSTU exactly: its rewrite is right, but measures nothing.)
 
 A record's ``outcome``: ``rewritten`` (HSTU, every attention layer rewritten), ``partial`` (some),
 ``declined`` (HSTU, none), ``near_miss_kept`` (a near miss left alone: right),
@@ -42,6 +46,7 @@ MODES = {
     "fake_auto": dict(B=128, N=4096, H=4, D=128),
     "compile_static": dict(B=4, N=16, H=2, D=8),
     "compile_dynamic": dict(B=4, N=16, H=2, D=8),
+    "compile_one": dict(B=1, N=16, H=2, D=8),
 }
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 5e-2)}  # (outputs, gradients)
 
@@ -103,6 +108,8 @@ def _lengths(B, N, seed, L=None):
     """Compile modes: ``[N, 0, 1, r, ...]``; fake modes: lengths summing to ``L`` near ``B*N``."""
     if L is None:
         rng = random.Random(seed)
+        if B == 1:  # one sequence: 3..N-1 rows, so Dynamo keeps L symbolic (0/1 specialise, L == N duck-sizes)
+            return [rng.randint(3, N - 1)]
         return ([N, 0, 1] + [rng.randint(0, N) for _ in range(B)])[:B]
     out = [N] * (B - 2) + [L - (B - 2) * N, 0]
     assert 0 <= out[-2] <= N, (B, N, L)
@@ -183,7 +190,7 @@ def _compiled_run(s: Sample, mode: str, rec: Record, grads: bool, B, N, H, D):
     torch._dynamo.reset()
     backend.register()  # as in a fresh process: reset() dropped the Dynamo callbacks the import installed
     with collecting() as report:
-        compiled = torch.compile(model, backend="hstu_eager", dynamic=mode == "compile_dynamic")
+        compiled = torch.compile(model, backend="hstu_eager", dynamic=mode in ("compile_dynamic", "compile_one"))
         got = _tuple(compiled(*inputs))
     rec.counts, rec.graphs = dict(report.counts), report.graphs
     tol_out, tol_grad = TOLERANCE[s.dtype]
