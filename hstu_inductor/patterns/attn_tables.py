@@ -69,8 +69,9 @@ _MONOTONE = {
     aten.floor.default, aten.ceil.default, aten.trunc.default, aten.round.default, aten._to_copy.default,
     aten.div.Tensor, aten.div.Tensor_mode, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
     aten.floor_divide.default, aten.minimum.default, aten.maximum.default, aten.bucketize.Tensor,
-    aten.neg.default, aten.relu.default,
+    aten.neg.default, aten.relu.default, aten.searchsorted.Tensor,
 }
+_SORTED = {aten.bucketize.Tensor: 1, aten.searchsorted.Tensor: 0}  # the boundaries' argument
 _FIRST_ONLY = {aten.div.Tensor, aten.div.Tensor_mode, aten.floor_divide.default, aten.bucketize.Tensor}
 _TABLE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
                 aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.t.default, aten.clone.default,
@@ -235,8 +236,10 @@ def _bucket(tc, plan):
                 raise Decline(f"time bucket: {cur.name} ({_name(cur)}) reads the gap {uses} times")
             if cur.target in _FIRST_ONLY and cur.args[0] is not ins[0]:
                 raise Decline(f"time bucket: {cur.name} ({_name(cur)}) divides by the gap (not monotone)")
+            if cur.target in _SORTED and cur.args[_SORTED[cur.target]] is ins[0]:
+                raise Decline(f"time bucket: {cur.name} ({_name(cur)}) searches the gap (not monotone)")
             for a in cur.all_input_nodes:
-                if a is ins[0] or cur.target is aten.bucketize.Tensor:
+                if a is ins[0] or cur.target in _SORTED:
                     continue
                 v = meta_val(a)
                 if isinstance(v, torch.Tensor) and v.numel() != 1:
@@ -316,10 +319,10 @@ def _chain_fn(chain, G):
                 else:
                     raise Decline(f"time bucket reads input {x.name}")
             consts[a] = evaluate(gm, order, env, native=True)[a]
-            if n.target is aten.bucketize.Tensor:
+            if n.target in _SORTED:
                 b = consts[a]
                 if b.dim() != 1 or bool((b[1:] < b[:-1]).any()):
-                    raise Decline("time bucket: bucketize against boundaries that are not sorted")
+                    raise Decline(f"time bucket: {_name(n)} against boundaries that are not sorted")
             elif isinstance(consts[a], torch.Tensor):
                 consts[a] = consts[a].reshape(())
 

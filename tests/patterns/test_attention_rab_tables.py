@@ -105,6 +105,12 @@ class TableBias(torch.nn.Module):
             dt = _dt_next(pad(ts.to(torch.int32), offsets))
             b = torch.bucketize(dt.abs(), bounds, right=True)
             return self.ts_w[b].unsqueeze(1)
+        if sp == "searchsorted":  # torch.searchsorted of |dt| in constant boundaries (int64 ts, ms), detached
+            bounds = torch.tensor([1, 10, 60, 300, 1800, 3600, 7200, 20000, 86400, 200000, 10 ** 6, 10 ** 7],
+                                  device=ts.device) * 1000
+            dt = _dt_next(pad(ts, offsets))
+            b = torch.searchsorted(bounds, dt.abs().contiguous(), right=False).detach()
+            return (self.pos_w[N - 1 + i[None, :] - i[:, None]] + self.ts_w[b])[:, None]
         if sp == "near_square":  # (|dt| - 300)^2 as x * x: not monotone in |dt|
             x = _dt_next(pad(ts, offsets)).abs().to(torch.float32) - 300.0
             b = (torch.log((x * x).clamp(min=1.0)) / 1.5).floor().clamp(0, NB).long()
@@ -187,6 +193,7 @@ RECOGNISED = {  # spelling -> (tables expected in the report, a dense rab term e
     "time_only": ("ts_w=",),
     "inside_alpha": ("pos_w=", "ts_w="),
     "subtracted": ("pos_w=", "ts_w="),
+    "searchsorted": ("pos_w=", "ts_w="),
 }
 
 
