@@ -53,6 +53,11 @@ check_inputs: str = os.environ.get("HSTU_INDUCTOR_CHECK_INPUTS", "auto")
 #: unbacked size. False: Dynamo's default (the break; ``explain()`` reports it).
 capture_dynamic_shape_ops: bool = os.environ.get("HSTU_INDUCTOR_CAPTURE_DYNAMIC_SHAPE_OPS", "1") == "1"
 
+#: A bias proven to be the original HSTU's position / bucketed-time tables goes to the attention op's
+#: in-kernel table bias (``timestamps, pos_w, ts_w, ts_bounds``: no N x N bias in memory). False:
+#: every bias is passed as the dense ``rab`` the user's graph computes (docs/patterns.md, path (b)).
+rab_tables: bool = os.environ.get("HSTU_INDUCTOR_RAB_TABLES", "1") == "1"
+
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"
 
@@ -75,7 +80,8 @@ def snapshot() -> dict:
     """The current options, e.g. for cache keys and reports."""
     return {"tma": tma, "patterns": dict(patterns), "kernels": kernels, "deterministic": deterministic,
             "block_backward": block_backward, "check_inputs": check_inputs, "strict": strict,
-            "specialize_features": specialize_features, "capture_dynamic_shape_ops": capture_dynamic_shape_ops}
+            "specialize_features": specialize_features, "capture_dynamic_shape_ops": capture_dynamic_shape_ops,
+            "rab_tables": rab_tables}
 
 
 @contextlib.contextmanager

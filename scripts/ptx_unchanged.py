@@ -62,7 +62,7 @@ def _signature(fn, values):
 
 CONSTEXPR = {"CAUSAL", "HAS_TGT", "HAS_CTX", "HAS_WINDOW", "HAS_MINFULL", "SCALE_MODE", "DELTA", "TMA", "FAST",
              "PREC", "EVEN_DQ", "EVEN_DV", "BLOCK_DQ", "BLOCK_DV", "BLOCK_M", "BLOCK_N", "SEQ_MAJOR", "Q_IN_REGS",
-             "DQ_MODE", "HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD"}
+             "DQ_MODE", "HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD", "TS_STEPS"}
 
 
 def _values(kind, tma, dq_mode=0):
@@ -79,7 +79,8 @@ def _values(kind, tma, dq_mode=0):
              SEQ_MAJOR=True, DQ_MODE=dq_mode, HAS_RAB=False, HAS_IV=False, HAS_POS=False, HAS_TS=False,
              RAB_GRAD=False, TAB_GRAD=False,
              # the new arguments as the host passes them without rab/intervals
-             RAB=None, IV=None, DRAB=None, TS=None, POSW=None, TSW=None, DPOS=None, DTS=None, NB=0, TAB_COPIES=1)
+             RAB=None, IV=None, DRAB=None, TS=None, POSW=None, TSW=None, DPOS=None, DTS=None, NB=0, TAB_COPIES=1,
+             TSB=None, TSP=None, TS_STEPS=0)
     v.update({n: 0 for n in ("stride_rb", "stride_rh", "stride_ri", "stride_rj", "stride_ih", "stride_ir",
                              "stride_ic", "stride_gb", "stride_gh", "stride_gi", "stride_gj", "stride_pc",
                              "stride_tc")})
@@ -95,7 +96,16 @@ FEATURES = {
     "rab_1h_atomic": dict(RAB=("bf16",), HAS_RAB=True, DRAB=("fp32",), RAB_GRAD=2, stride_rh=1048576, stride_ri=1024,
                           stride_rj=1, stride_gh=1048576, stride_gi=1024, stride_gj=1),
     "tables": dict(TS=("i64",), POSW=("fp32",), TSW=("fp32",), NB=128, HAS_POS=True, HAS_TS=True, DPOS=("fp32",),
-                   DTS=("fp32",), TAB_COPIES=32, stride_pc=2047, stride_tc=129, TAB_GRAD=True),
+                   DTS=("fp32",), TAB_COPIES=32, stride_pc=2047, stride_tc=129, TAB_GRAD=True, TSB=("i64",),
+                   TSP=("fp32",), TS_STEPS=8),
+}
+# --features=all: also each table alone (where registers go)
+FEATURES_SPLIT = {
+    "plain": {},
+    "pos_only": dict(POSW=("fp32",), HAS_POS=True, DPOS=("fp32",), TAB_COPIES=32, stride_pc=2047, TAB_GRAD=True),
+    "ts_only": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=True, DTS=("fp32",), TAB_COPIES=32, stride_tc=129,
+                    TAB_GRAD=True, TSB=("i64",), TSP=("fp32",), TS_STEPS=8),
+    "ts_nograd": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=True, TSB=("i64",), TSP=("fp32",), TS_STEPS=8),
 }
 
 
@@ -112,10 +122,10 @@ def _ptx(mod, kind, tma, dq_mode=0, extra=None, kernel=False):
     return k if kernel else k.asm["ptx"]
 
 
-def features():
+def features(split=False):
     """Compile every kernel with each bias feature for sm90; print registers, spills, shared memory."""
     mod = _load(os.path.join(ROOT, PATH), "_attention_new")
-    for name, extra in FEATURES.items():
+    for name, extra in {**FEATURES, **(FEATURES_SPLIT if split else {})}.items():
         for kind in ("fwd", "dq", "dkdv"):
             k = _ptx(mod, kind, False, 0, extra, kernel=True)
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -161,8 +171,8 @@ def _code(ptx):
 
 
 def main():
-    if sys.argv[1:] == ["--features"]:
-        return features()
+    if sys.argv[1:2] in (["--features"], ["--features=all"]):
+        return features(split=sys.argv[1] == "--features=all")
     rev = sys.argv[1] if len(sys.argv) > 1 else "HEAD"
     old_src = subprocess.check_output(["git", "-C", ROOT, "show", f"{rev}:{PATH}"], text=True)
     tmp = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)

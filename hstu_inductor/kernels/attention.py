@@ -54,6 +54,7 @@ from .common import interpret as _interpret
 from .common import address_source
 from .common import launcher as _launcher
 from .common import new_tensor
+from ..reference.rab import default_time_bucket_bounds
 
 log = logging.getLogger("hstu_inductor")
 
@@ -134,14 +135,24 @@ def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
 
 
 @triton.jit
-def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj, TSB, TSP, n,
                    HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
     """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
-    (None) pointer (a tuple cannot hold None)."""
+    (None) pointer (a tuple cannot hold None). ``TSP``: the time-bucket guess (slope, offset, usable) fitted to
+    the thresholds ``TSB``, then the thresholds in fp32 (:func:`_ts_plan`, :func:`_time_bucket`). Integer
+    timestamps: ``base``, the sequence's least timestamp, and ``small``: all of them lie in [base, base + 2**24),
+    where gaps are exact in fp32 (one pass over the sequence's n timestamps per program)."""
     RAB_b = 0
     TS_b = 0
     POS_t = 0
     TSW_t = 0
+    TSB_t = 0
+    TSP_t = 0
+    slope = 0.0
+    off = 0.0
+    fits = 0.0
+    base = 0
+    small = 0
     if HAS_RAB:
         RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
     if HAS_POS:
@@ -149,15 +160,88 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride
     if HAS_TS:
         TS_b = TS + start
         TSW_t = TSW
-    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N)
+        TSB_t = TSB
+        TSP_t = TSP
+        slope = tl.load(TSP)
+        off = tl.load(TSP + 1)
+        fits = tl.load(TSP + 2)
+        if not TS.dtype.element_ty.is_floating():
+            lo = tl.full([], 9223372036854775807, tl.int64)
+            hi = tl.full([], -9223372036854775807 - 1, tl.int64)
+            for s0 in range(0, n, 256):
+                o = s0 + tl.arange(0, 256)
+                t = tl.load(TS_b + o, mask=o < n, other=0).to(tl.int64)
+                lo = tl.minimum(lo, tl.min(tl.where(o < n, t, 9223372036854775807)))
+                hi = tl.maximum(hi, tl.max(tl.where(o < n, t, -9223372036854775807 - 1)))
+            small = (hi - lo < 16777216).to(tl.int32)  # n == 0: hi - lo wraps negative: no tile visited anyway
+            base = lo.to(TS.dtype.element_ty)
+    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N, TSB_t, TSP_t, slope, off, fits, base, small)
 
 
 @triton.jit
-def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+def _bucket_search(x, TSB, NB, TS_STEPS: tl.constexpr):
+    """#{k : x >= TSB[k]} by binary search over the sorted thresholds, in x's dtype: TS_STEPS gathers."""
+    bk = tl.zeros(x.shape, dtype=tl.int32)
+    for s in tl.static_range(TS_STEPS):
+        cand = bk + (1 << (TS_STEPS - 1 - s))
+        ok = cand <= NB
+        thr = tl.load(TSB + (cand - 1), mask=ok, other=0)
+        bk = tl.where(ok & (x >= thr), cand, bk)
+    return bk
+
+
+@triton.jit
+def _bucket_guess(xf, TSP, NB, slope, off):
+    """#{k : x >= TSB[k]} from ``xf == fp32(x)`` exactly (an fp32 gap, or an integer gap below 2**24): the guess
+    ``c = clamp(floor(slope * log2(xf) + off), 0, NB)`` (monotone in x), which :func:`_ts_plan` checked to be the
+    bucket or the one below it at both ends of every bucket, plus one where x reaches the next fp32 threshold
+    ``TSP[3 + c]`` (``TSP[3 + NB]`` is NaN: never reached). One gather per element from a tiny L1-resident table;
+    an fp32 threshold compares as its integer (below 2**24 it is exact, above it exceeds every such gap)."""
+    u = tl.log2(xf) * slope + off
+    u = tl.where(u > 0.0, u, 0.0)  # also NaN (a negative gap) and -inf (x = 0)
+    c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
+    return c + (xf >= tl.load(TSP + 3 + c)).to(tl.int32)
+
+
+@triton.jit
+def _time_bucket(tsn, tsj, pad_row, has_pad, TSB, TSP, NB, slope, off, fits, base, small, TS_STEPS: tl.constexpr):
+    """#{k : |tsn - tsj| >= TSB[k]} exactly, the gap taken in the timestamps' dtype (int32/int64/fp32/fp64), on
+    the tile broadcast from the row and column vectors ``tsn``, ``tsj`` (``TSB``: sorted thresholds, int64 for
+    integer gaps, else the gaps' dtype; ``TSP[3:]`` the same in fp32; both tiny and L1-resident).
+
+    Per element the fast path is 32-bit only (64-bit values per score element spill, sm90): fp32 gaps as they
+    are; integer gaps rebased to the sequence's least timestamp when they all lie within 2**24 of it
+    (``small``), so ``(tsn - base) - (tsj - base)`` is exact in fp32, converted per row/column vector. The
+    padding row (``pad_row``: the last row of a shorter sequence compares with timestamp 0) is bucketed per
+    column instead, in the tiles holding it (``has_pad``). Otherwise (fp64 timestamps, a wider sequence, or thresholds the log-linear guess does
+    not follow, ``fits == 0``) a binary search in the native dtype per element: exact, slower."""
+    if tsn.dtype == tl.float32:
+        if fits != 0.0:
+            bk = _bucket_guess(tl.abs(tsn - tsj), TSP, NB, slope, off)
+        else:
+            bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
+    elif tsn.dtype == tl.float64:
+        bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
+    else:
+        if (fits != 0.0) & (small != 0):
+            rn = (tsn - base).to(tl.float32)
+            rj = (tsj - base).to(tl.float32)
+            bk = _bucket_guess(tl.abs(rn - rj), TSP, NB, slope, off)
+            if has_pad:  # only the tiles holding that row (a uniform branch: registers elsewhere)
+                bk_pad = _bucket_search(tl.abs(tsj), TSB, NB, TS_STEPS)  # |0 - ts(j)|, per column
+                bk = tl.where(pad_row, bk_pad, bk)
+        else:
+            bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
+    return bk
+
+
+@triton.jit
+def _bias(RB, rows, cols, n, row0, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+          TS_STEPS: tl.constexpr):
     """(bias, bucket) on a tile, fp32, zero outside the sequence: the dense rab plus the table bias
     ``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]`` (docs/semantics.md). ``rows`` (i) and ``cols``
     (j) are broadcastable position vectors. The bucket tile (int32, 0 without HAS_TS) feeds d ts_w."""
-    RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN = RB
+    RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN, TSB, TSP, slope, off, fits, base, small = RB
     inside = (rows < n) & (cols < n)
     bk = 0
     if HAS_RAB:
@@ -172,35 +256,42 @@ def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_T
         nx = tl.minimum(rows + 1, MAXN - 1)
         tsn = tl.load(TS_b + nx, mask=nx < n, other=0)
         tsj = tl.load(TS_b + cols, mask=cols < n, other=0)
-        # fp64 log, difference in the timestamps' dtype: the reference's bucket boundaries exactly
-        dt = tl.maximum(tl.abs(tsn - tsj).to(tl.float64), 1.0)
-        bkf = tl.floor(tl.log(dt) / tl.full([], 0.301, tl.float64))
-        bk = tl.minimum(tl.maximum(bkf, 0.0), NB).to(tl.int32)
+        # the difference in the timestamps' dtype (as the reference), bucketed by thresholds
+        # rows [row0, row0 + rows.numel) hold the padding row n - 1 of a sequence shorter than N
+        has_pad = (n < MAXN) & (row0 <= n - 1) & (n - 1 < row0 + rows.numel)
+        bk = _time_bucket(tsn, tsj, nx >= n, has_pad, TSB, TSP, NB, slope, off, fits, base, small, TS_STEPS)
         x += tl.load(TSW + bk, mask=inside, other=0.0).to(tl.float32)
     return x, bk
 
 
 @triton.jit
-def _pre_silu(s, alpha, RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+def _pre_silu(s, alpha, RB, rows, cols, n, row0, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+              TS_STEPS: tl.constexpr):
     """(x, a, bucket) with silu(a * x) the score: (s, alpha, 0) without a bias (today's code unchanged),
     else (alpha * s + bias, 1, bucket)."""
     if HAS_RAB or HAS_POS or HAS_TS:
-        x, bk = _bias(RB, rows, cols, n, HAS_RAB, HAS_POS, HAS_TS)
+        x, bk = _bias(RB, rows, cols, n, row0, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
         return s * alpha + x, 1.0, bk
     else:
         return s, alpha, 0
 
 
 @triton.jit
-def _bias_grad(ds, bk, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, TAB_GRAD: tl.constexpr,
-               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bias_grad(ds, bk, hist, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, TAB_GRAD: tl.constexpr,
+               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               TS_STEPS: tl.constexpr):
     """Bias gradients from one transposed dS tile ``ds[j, i]`` (keys ``offs_n`` x queries ``offs_m``, zero
     where invalid). RAB_GRAD 1: store d rab (each element has one writer); 2: fp32 atomics into a buffer
-    of rab's broadcast shape (strides 0 on broadcast dims). TAB_GRAD: reduce into this program's copy of
-    the fp32 table gradients; never an atomic per score element (all of them would hit a few addresses)."""
-    DRAB_b, stride_gi, stride_gj, DPOS, DTS, gsc = GB
+    of rab's broadcast shape (strides 0 on broadcast dims). TAB_GRAD: d pos_w by diagonal sums, atomics into
+    this program's copy; d ts_w into ``hist``, this program's per-bucket sums in registers (returned; the
+    kernel adds it to its copy once, at the end): never an atomic per score element.
+
+    Mutation analysis (torch's triton_kernel_wrap, what AOTAutograd functionalizes by): an address written
+    here must not depend on a value returned by a helper that received input pointers (it then counts all of
+    them as written: pos_w / ts_w as leaves mutated in place). So the bucket ``bk`` (from :func:`_pre_silu`)
+    only indexes registers, and N comes in GB (a kernel argument), not RB (:func:`_bias_operands`' result)."""
+    DRAB_b, stride_gi, stride_gj, DPOS, DTS, gsc, MAXN = GB
     NB = RB[6]
-    MAXN = RB[7]
     g = ds.to(tl.float32) * gsc
     if RAB_GRAD != 0:
         # 32-bit offsets from the (b, h) base (the buffer is ours, N^2 < 2^31): 64-bit per-element pointers
@@ -226,8 +317,10 @@ def _bias_grad(ds, bk, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexp
             nz = g != 0.0
             k_lo = tl.min(tl.where(nz, bk, NB))
             k_hi = tl.max(tl.where(nz, bk, 0))
+            slots = tl.arange(0, 1 << TS_STEPS)
             for kk in range(k_lo, k_hi + 1):
-                tl.atomic_add(DTS + kk, tl.sum(tl.where(bk == kk, g, 0.0)), sem="relaxed")
+                hist += tl.where(slots == kk, tl.sum(tl.where(bk == kk, g, 0.0)), 0.0)
+    return hist
 
 
 @triton.jit
@@ -517,20 +610,20 @@ def _store_rows(dst, r0, x, n, D, stride_m, stride_d, TMA: tl.constexpr, BLOCK: 
 
 @triton.jit
 def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
-               n, M, c, w, f, alpha, DQ, DV, RB, x0, x1, x2,
+               n, M, c, w, f, alpha, DQ, DV, RB, row0, x0, x1, x2,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr,
-               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_STEPS: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = _load_rows(K_src, start_n, n, DQ, stride_km, stride_kd, MASKED, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, row0, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
         if FAST == 2:
             p = _silu_packed((s * (0.5 * a)).to(v.dtype))
         else:
@@ -551,14 +644,14 @@ def _hstu_fwd_kernel(
     alpha, scale_const, one,
     H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, CTX, WINDOW, MINFULL, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
-    TS, POSW, TSW, NB,
+    TS, POSW, TSW, NB, TSB, TSP,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, DELTA: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
     HAS_RAB: tl.constexpr = False, HAS_IV: tl.constexpr = False,
-    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False, TS_STEPS: tl.constexpr = 0,
 ):
     # Inductor passes Python float arguments of user kernels as fp64 (a direct launch passes fp32):
     # cast once so the score math and the fp32-only inline-asm silu see fp32 on both paths.
@@ -604,37 +697,37 @@ def _hstu_fwd_kernel(
         q = (q.to(tl.float32) * one).to(q.dtype)
 
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, n, HAS_RAB, HAS_POS, HAS_TS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_IV:  # intervals replace the HSTU mask: every visited tile is masked, invisible tiles skipped
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
                               stride_ir, stride_ic)
         a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos0 + r0, x0, x1, x2, True,
                          CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos0 + r0, x0, x1, x2, True,
                          CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                         BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     else:
         m_first = tl.maximum(pos0 + r0, 0)
         m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
         a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
                                       HAS_TGT, HAS_WINDOW, HAS_MINFULL)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos0 + r0, pos_m, pos_m,
                          pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos0 + r0, pos_m, pos_m,
                          pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos0 + r0, pos_m, pos_m,
                          pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                         EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
 
     if SCALE_MODE == 0:
         acc = acc * scale_const
@@ -655,7 +748,7 @@ def _hstu_fwd_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
+def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
                    stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
                    RB, GB, x0, x1, x2,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
@@ -664,7 +757,7 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
                    EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                    HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr,
-                   HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr):
+                   HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr, TS_STEPS: tl.constexpr):
     """One query block [start_m, start_m + BLOCK_M) against the key block of this program."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dq = tl.arange(0, BLOCK_DQ)
@@ -675,7 +768,7 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
         do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
     s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
     dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-    s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], n, HAS_RAB, HAS_POS, HAS_TS)
+    s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], n, start_m, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
     if FAST == 2:
         p16, ds16 = _silu_bwd_packed((s_t * (0.5 * a)).to(q.dtype), dp_t.to(q.dtype))
     else:
@@ -693,8 +786,8 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
         ds16 = tl.where(ok, ds16, 0.0)
     if RAB_GRAD != 0 or TAB_GRAD:
         # bias gradients are dS_pre (per-row scales are already in dO; GB carries a scalar scale)
-        _bias_grad(ds16, bk, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD, TAB_GRAD, HAS_POS, HAS_TS, BLOCK_M,
-                   ds16.shape[0])
+        hist = _bias_grad(ds16, bk, hist, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD, TAB_GRAD, HAS_POS, HAS_TS,
+                          BLOCK_M, ds16.shape[0], TS_STEPS)
     dv = tl.dot(p16, do, dv, input_precision=PREC)
     dk = tl.dot(ds16, q, dk, input_precision=PREC)
     if DQ_MODE == 1:
@@ -715,11 +808,11 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
     elif DQ_MODE == 2:
         dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
         DQ_dst.atomic_add([start_m, 0], dq)
-    return dk, dv
+    return dk, dv, hist
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
+def _bwd_dkdv_inner(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
                     stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
                     RB, GB, IV_h, stride_ir, stride_ic,
                     n0, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
@@ -729,7 +822,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stri
                     EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                     HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr, HAS_IV: tl.constexpr,
-                    HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr):
+                    HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_GRAD: tl.constexpr, TS_STEPS: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         if HAS_IV:
@@ -738,20 +831,20 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stri
             key_hi = tl.minimum(n0 + BLOCK_N, n)
             row_hit = (x0 > n0) | (tl.maximum(x1, n0) < tl.minimum(x2, key_hi))
             if tl.max(row_hit.to(tl.int32), axis=0) > 0:
-                dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd,
+                dk, dv, hist = _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd,
                                         stride_dom, stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M,
                                         c, w, f, alpha, DQ, DV, RB, GB, x0, x1, x2, MASKED, CAUSAL, HAS_CTX, HAS_TGT,
                                         HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
                                         EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS,
-                                        HAS_TS, TAB_GRAD)
+                                        HAS_TS, TAB_GRAD, TS_STEPS)
         else:
-            dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
+            dk, dv, hist = _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
                                     stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha,
                                     DQ, DV, RB, GB,
                                     offs_m0, offs_m0, offs_m0, MASKED, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
                                     HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
-                                    BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD)
-    return dk, dv
+                                    BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD, TS_STEPS)
+    return dk, dv, hist
 
 
 @triton.jit
@@ -764,7 +857,7 @@ def _hstu_bwd_dkdv_kernel(
     H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
     DRAB, stride_gb, stride_gh, stride_gi, stride_gj,
-    TS, POSW, TSW, NB, DPOS, DTS, TAB_COPIES, stride_pc, stride_tc,
+    TS, POSW, TSW, NB, DPOS, DTS, TAB_COPIES, stride_pc, stride_tc, TSB, TSP,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -772,6 +865,7 @@ def _hstu_bwd_dkdv_kernel(
     SEQ_MAJOR: tl.constexpr = True,
     HAS_RAB: tl.constexpr = False, RAB_GRAD: tl.constexpr = 0, HAS_IV: tl.constexpr = False,
     HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False, TAB_GRAD: tl.constexpr = False,
+    TS_STEPS: tl.constexpr = 0,
 ):
     alpha, scale_const = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32)  # fp64 under Inductor
     # early key blocks are seen by the most query rows: launched first
@@ -832,10 +926,14 @@ def _hstu_bwd_dkdv_kernel(
     if HAS_IV:
         IV_h = IV + h.to(tl.int64) * stride_ih + start * stride_ir
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        HAS_RAB, HAS_POS, HAS_TS)
-    GB = (DRAB_b, stride_gi, stride_gj, DPOS_s, DTS_s, gsc)
+                        TSB, TSP, n, HAS_RAB, HAS_POS, HAS_TS)
+    GB = (DRAB_b, stride_gi, stride_gj, DPOS_s, DTS_s, gsc, MAX_N)
     dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    if TAB_GRAD and HAS_TS:  # d ts_w of this program, per bucket (_bias_grad)
+        hist = tl.zeros([1 << TS_STEPS], dtype=tl.float32)
+    else:
+        hist = 0.0
     # Query-row segments (_bwd_query_range): [0, cb) contextual rows (masked), [qa, qf) masked, [qf, qe)
     # full, [qe, qz) masked. Intervals: one masked segment over all rows, each block skipped unless one
     # of its rows sees this key block.
@@ -854,12 +952,12 @@ def _hstu_bwd_dkdv_kernel(
                 lo, hi = qf, qe
             else:
                 lo, hi = qe, qz
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
+            dk, dv, hist = _bwd_dkdv_inner(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                      stride_dod, stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, CTX, WINDOW,
                                      MINFULL, alpha, DQ, DV, RB, GB, IV_h, stride_ir, stride_ic, n0, BLOCK_N,
                                      seg != 2, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA,
                                      DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB,
-                                     RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD)
+                                     RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD, TS_STEPS)
 
     if SCALE_MODE == 0:
         sc = scale_const
@@ -867,6 +965,9 @@ def _hstu_bwd_dkdv_kernel(
         sc = tl.load(ATTN_SCALE).to(tl.float32)
     else:
         sc = 1.0
+    if TAB_GRAD and HAS_TS:  # the program's d ts_w into its copy: NB + 1 atomics per program, not per tile
+        slots = tl.arange(0, 1 << TS_STEPS)
+        tl.atomic_add(DTS_s + slots, hist, mask=slots <= NB, sem="relaxed")
     dk = (dk * (alpha * sc)).to(DK.dtype.element_ty)
     dv = (dv * sc).to(DVo.dtype.element_ty)
     dk_dst = _rows(dk_base, n, DQ, stride_dkm, BLOCK_N, BLOCK_DQ, TMA)
@@ -882,13 +983,13 @@ def _hstu_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
-                  n, M, c, w, f, alpha, DQ, DV, RB, x0, x1, x2,
+                  n, M, c, w, f, alpha, DQ, DV, RB, row0, x0, x1, x2,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                   PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr,
-                  HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+                  HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TS_STEPS: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -896,7 +997,7 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, row0, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
         if FAST == 2:
             _, ds = _silu_bwd_packed((s * (0.5 * a)).to(k.dtype), dp.to(k.dtype))
         else:
@@ -918,14 +1019,14 @@ def _hstu_bwd_dq_kernel(
     alpha, scale_const, one,
     H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
-    TS, POSW, TSW, NB,
+    TS, POSW, TSW, NB, TSB, TSP,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
     HAS_RAB: tl.constexpr = False, HAS_IV: tl.constexpr = False,
-    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False, TS_STEPS: tl.constexpr = 0,
 ):
     # fp64 under Inductor: see the forward kernel
     alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
@@ -959,36 +1060,36 @@ def _hstu_bwd_dq_kernel(
             do = (do.to(tl.float32) * one).to(q.dtype)
 
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, n, HAS_RAB, HAS_POS, HAS_TS)
     dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32)
     if HAS_IV:  # as in the forward kernel
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
                               stride_ir, stride_ic)
         a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, r0, x0, x1, x2, True,
                            CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, r0, x0, x1, x2, True,
                            CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
-                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                           BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     else:
         m_last = tl.minimum(r0 + BLOCK_M, n) - 1
         a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
                                       HAS_TGT, HAS_WINDOW, HAS_MINFULL)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, r0, offs_r, offs_r,
                            offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, r0, offs_r, offs_r,
                            offs_r, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, r0, offs_r, offs_r,
                            offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
-                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS)
+                           EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     if SCALE_MODE == 0:
         sc = scale_const
     elif SCALE_MODE == 1:
@@ -1092,8 +1193,9 @@ def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool, zero_extra: tu
 _TUNERS: dict = {}  # for benchmark reports: name -> triton Autotuner
 
 
-_OPTIONAL_FLAGS = {"fwd": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS"), "dq": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS"),
-                   "dkdv": ("HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD")}
+_OPTIONAL_FLAGS = {"fwd": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS", "TS_STEPS"),
+                   "dq": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS", "TS_STEPS"),
+                   "dkdv": ("HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD", "TS_STEPS")}
 
 
 def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, kwargs: dict,
@@ -1300,9 +1402,9 @@ def _iv_args(intervals, H, rows):
             intervals.stride(2))
 
 
-def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len):
-    """(timestamps, pos_w, ts_w, num_buckets) for the table bias (docs/semantics.md), contiguous (tiny or
-    [L]), and the constexpr switches; placeholders without tables."""
+def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None):
+    """((timestamps, pos_w, ts_w, num_buckets), (thresholds, guess plan), constexpr switches) for the table bias
+    (docs/semantics.md), tensors contiguous (tiny or [L]); placeholders without tables."""
     if ts_w is not None and timestamps is None:
         raise ValueError("hstu attention: ts_w needs timestamps")
     if pos_w is not None and (pos_w.dim() != 1 or pos_w.shape[0] != 2 * max_seq_len - 1):
@@ -1317,14 +1419,111 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len):
     for t in (pos_w, ts_w):
         if t is not None and t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"hstu attention: pos_w / ts_w must be fp16/bf16/fp32, got {t.dtype}")
+    if ts_bounds is not None and ts_w is None:
+        raise ValueError("hstu attention: ts_bounds (time-bucket thresholds) are only used with ts_w")
     flags = {}
     if pos_w is not None:
         flags["HAS_POS"] = True
+    bnd = (None, None)
     if ts_w is not None:
         flags["HAS_TS"] = True
+        nb = ts_w.shape[0] - 1
+        bnd = _ts_bounds_and_plan(ts_bounds, nb, timestamps.dtype, timestamps.device)
+        # binary-search steps of the fallback (2**steps > num_buckets); a symbolic size takes the most
+        flags["TS_STEPS"] = int(nb).bit_length() if type(nb) is int else 31
     cont = lambda t: None if t is None else t.contiguous()  # noqa: E731
     return ((cont(timestamps) if ts_w is not None else None, cont(pos_w), cont(ts_w),
-             ts_w.shape[0] - 1 if ts_w is not None else 0), flags)
+             ts_w.shape[0] - 1 if ts_w is not None else 0), bnd, flags)
+
+
+# The time bucket of the table bias is #{k : |dt| >= ts_bounds[k]} (reference.buckets_from_bounds). The
+# kernels guess it from a line in log2(|dt|) fitted to the thresholds and correct the guess by one bucket
+# either way (_time_bucket); _ts_plan fits the line and checks it, all with torch ops on the thresholds'
+# device: no host sync, so it traces (torch.compile, AOTI) and captures (CUDA graphs).
+_GUESS_MARGIN = 1.0 / 64  # slack (in buckets) for the device's fp32 log2 and fp32 FMA rounding
+_DEFAULT_BOUNDS: dict = {}  # (num_buckets, gap dtype, device) -> (thresholds, plan): eager calls only
+_USER_PLANS: dict = {}  # id(ts_bounds) -> (ts_bounds, version, plan); the tensor is held so its id stays its own
+
+
+def _gap_top(dtype):
+    """The largest non-negative time gap of the timestamps' dtype (inf for floats)."""
+    return float("inf") if dtype.is_floating_point else torch.iinfo(dtype).max
+
+
+def _ts_plan(bounds: torch.Tensor, nb: int, gap_dtype) -> torch.Tensor:
+    """fp32 ``[slope, offset, fits, *fp32(bounds), nan]`` for :func:`_bucket_guess`: the guess ``floor(slope *
+    log2(fp32(x)) + offset)`` fitted by least squares to ``(log2 bounds[k-1], k)``, centred, and ``fits = 1``
+    when at both ends of every bucket (each threshold and the gap just below it, 0 and the largest gap) it is
+    the true bucket or the one below, by a margin; as the guess is monotone in x, it then is everywhere."""
+    dev, top = bounds.device, _gap_top(gap_dtype)
+    f64 = torch.float64
+    k = torch.arange(1, nb + 1, device=dev, dtype=f64)
+    lb = torch.log2(bounds.to(torch.float32).to(f64))  # what the kernel sees: log2 of fp32(x)
+    use = torch.isfinite(lb) & (lb >= 0) & (bounds < top)
+    # slope by least squares on (log2 bounds[k-1], k), weighted towards large thresholds: integer rounding
+    # (ceil(e^0.301k) = 2, 2, 3, 4, ...) bends the small ones off the line
+    w = use.to(f64) * torch.where(use, lb, 0.0).clamp(max=12.0) ** 2
+    cnt = w.sum().clamp(min=1e-300)
+    lz = torch.where(use, lb, 0.0)
+    ml, mk = (w * lz).sum() / cnt, (w * k).sum() / cnt
+    var = (w * (lz - ml) ** 2).sum()
+    slope = torch.where(var > 0, (w * (lz - ml) * (k - mk)).sum() / var.clamp(min=1e-300), 0.0)
+    slope = slope.to(torch.float32).to(f64)  # the kernel's fp32 operand
+    if gap_dtype.is_floating_point:
+        below = torch.nextafter(bounds, torch.full_like(bounds, -torch.inf)).clamp(min=0)
+    else:
+        below = (bounds - 1).clamp(min=0)
+    # factory calls, not torch.tensor(list): no constant to lift when traced
+    pts = torch.cat([bounds, below, bounds.new_zeros(1), bounds.new_full((1,), top)]).clamp(max=top)
+    truth = torch.searchsorted(bounds, pts, right=True)
+    # offset: centre u - truth over both ends of the inner buckets in [-1, 1) (guess = truth or truth - 1)
+    lp = torch.log2(pts.to(torch.float32).to(f64))
+    inner = (truth > 0) & (truth < nb) & torch.isfinite(lp)
+    e = torch.where(inner, slope * torch.where(inner, lp, 0.0) - truth, 0.0)
+    e_hi = torch.where(inner, e, -torch.inf).amax()
+    e_lo = torch.where(inner, e, torch.inf).amin()
+    off = torch.where(torch.isfinite(e_hi) & torch.isfinite(e_lo), -(e_hi + e_lo) / 2, 0.0)
+    off = off.to(torch.float32).to(f64)
+
+    def guess(u):
+        return torch.floor(torch.where(u > 0, u, 0.0).clamp(max=float(nb))).to(torch.int64)
+
+    u = lp * slope + off
+    fits = ((guess(u - _GUESS_MARGIN) >= truth - 1) & (guess(u + _GUESS_MARGIN) <= truth)).all() & (slope >= 0)
+    return torch.cat([torch.stack([slope, off, fits.to(f64)]).to(torch.float32), bounds.to(torch.float32),
+                      torch.full((1,), torch.nan, dtype=torch.float32, device=dev)])
+
+
+def _ts_bounds_and_plan(ts_bounds, nb, ts_dtype, device):
+    """(thresholds, plan) on ``device``: ``ts_bounds`` or the default fp64-log bucket's
+    (``reference.default_time_bucket_bounds``), computed once per (num_buckets, dtype, device) in eager code.
+    Traced (torch.compile / AOTI) or under CUDA-graph capture both are computed in the graph instead."""
+    eager = _compat.plain_eager(ts_bounds) and not (
+        device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    if ts_bounds is None:
+        key = (int(nb), ts_dtype, device) if eager else None
+        got = _DEFAULT_BOUNDS.get(key) if eager else None
+        if got is None:
+            bounds = default_time_bucket_bounds(nb, ts_dtype, device)
+            got = (bounds, _ts_plan(bounds, nb, ts_dtype))
+            if eager:
+                _DEFAULT_BOUNDS[key] = got
+        return got
+    want = ts_dtype if ts_dtype.is_floating_point else torch.int64
+    if ts_bounds.dim() != 1 or ts_bounds.shape[0] != nb or ts_bounds.dtype != want:
+        raise ValueError(f"hstu attention: ts_bounds must be a {want} [num_buckets] = [{nb}] tensor for "
+                         f"{ts_dtype} timestamps, got {tuple(ts_bounds.shape)} {ts_bounds.dtype}")
+    ts_bounds = ts_bounds.contiguous()
+    if not eager:
+        return ts_bounds, _ts_plan(ts_bounds, nb, ts_dtype)
+    hit = _USER_PLANS.get(id(ts_bounds))
+    if hit is not None and hit[0] is ts_bounds and hit[1] == ts_bounds._version:
+        return ts_bounds, hit[2]
+    plan = _ts_plan(ts_bounds, nb, ts_dtype)
+    if len(_USER_PLANS) >= 16:
+        _USER_PLANS.clear()
+    _USER_PLANS[id(ts_bounds)] = (ts_bounds, ts_bounds._version, plan)
+    return ts_bounds, plan
 
 
 def _n_bucket(max_seq_len) -> int:
@@ -1400,10 +1599,10 @@ def _prec(dtype) -> str:
 
 def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
          min_full_attn_seq_len, causal, delta_rows, tma, rab=None, intervals=None, timestamps=None, pos_w=None,
-         ts_w=None):
+         ts_w=None, ts_bounds=None):
     _check_inputs(q, k, v, seq_offsets, num_targets)
     seq_offsets = address_source(seq_offsets)
-    tab_args, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len)
+    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len, ts_bounds)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
@@ -1418,7 +1617,8 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_s,  # one call each: all are 3-D
             float(alpha), float(scale_const), 1.0,
             H, Dq, Dv, k.shape[0], max_seq_len, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
-            _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows) + tab_args
+            _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows) + tab_args \
+        + tab_bnd
     if rab is not None:  # only then: without rab/intervals the launch (and the kernel) is today's
         flags["HAS_RAB"] = True
     flags.update(tab_flags)
@@ -1436,12 +1636,14 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
 def hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targets=None, attn_scale=None,
                        max_attn_len: int = 0, contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0,
                        causal: bool = True, *, tma=None, rab=None, intervals=None, timestamps=None, pos_w=None,
-                       ts_w=None) -> torch.Tensor:
+                       ts_w=None, ts_bounds=None) -> torch.Tensor:
     """Jagged HSTU attention forward: ``[L, H, Dv]`` in the dtype of ``q``. ``rab: [B|1, H|1, N, N]`` is added
     inside the silu; ``intervals: [H|1, L, 3]`` replaces the mask; ``pos_w: [2N-1]`` and/or ``ts_w:
-    [num_buckets+1]`` with ``timestamps: [L]`` add the table bias computed in the kernel (docs/semantics.md)."""
+    [num_buckets+1]`` with ``timestamps: [L]`` add the table bias computed in the kernel (docs/semantics.md);
+    ``ts_bounds: [num_buckets]`` are its time-bucket thresholds (None: the default fp64-log bucket's)."""
     return _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
-                contextual_seq_len, min_full_attn_seq_len, causal, 0, tma, rab, intervals, timestamps, pos_w, ts_w)
+                contextual_seq_len, min_full_attn_seq_len, causal, 0, tma, rab, intervals, timestamps, pos_w, ts_w,
+                ts_bounds)
 
 
 def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
@@ -1471,7 +1673,7 @@ def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num
 def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
                        max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True, *,
                        deterministic=False, tma=None, rab=None, intervals=None, rab_grad=False, timestamps=None,
-                       pos_w=None, ts_w=None, table_grad=False):
+                       pos_w=None, ts_w=None, table_grad=False, ts_bounds=None):
     """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``); ``d_rab`` (rab's shape and
     dtype, summed over its broadcast dims) appended when ``rab_grad``, then ``(d_pos_w, d_ts_w)`` (the
     tables' dtypes; None for an absent table) when ``table_grad``."""
@@ -1483,7 +1685,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     rab_grad = bool(rab_grad) and rab is not None
     rab_args = _rab_args(rab, B, H, max_seq_len)
     iv_args = _iv_args(intervals, H, L)
-    tab_args, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len)
+    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds)
     table_grad = bool(table_grad) and bool(tab_flags)
     dk = _new((L, H, Dq), k.dtype, k.device)
     dv = _new((L, H, Dv), v.dtype, v.device)
@@ -1574,7 +1776,8 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             sdq[0], sdq[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), stride_s) + tail + rab_args \
         + iv_args + ((drab,) + g_strides if rab_grad else (None, 0, 0, 0, 0)) + tab_args \
-        + (dpos, dts, copies, dpos.stride(0) if dpos is not None else 0, dts.stride(0) if dts is not None else 0)
+        + (dpos, dts, copies, dpos.stride(0) if dpos is not None else 0, dts.stride(0) if dts is not None else 0) \
+        + tab_bnd
     dkdv_kw = dict(common, DQ_MODE=dq_mode, TMA=tma_dkdv)
     if rab_grad:
         dkdv_kw["RAB_GRAD"] = rab_mode
@@ -1592,7 +1795,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                     v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                     dq.stride(0), dq.stride(1), stride_s, float(alpha), float(scale_const), 1.0) + tail[2:] \
-                + rab_args + iv_args + tab_args
+                + rab_args + iv_args + tab_args + tab_bnd
             _launch("dq", max_seq_len, B * H, max(bdq, bdv), args, common, fp32=q.dtype == torch.float32)
         else:
             dq = dq_acc if q.dtype == torch.float32 else _new((L, H, Dq), q.dtype, q.device)

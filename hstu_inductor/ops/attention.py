@@ -25,7 +25,10 @@ may be left out; ``num_buckets`` is ``len(ts_w) - 1``, so no extra int argument)
 bias in-kernel; elsewhere the body materialises it with ``reference.relative_bias``. Separate tensors
 rather than one tuple argument: a custom-op schema has no optional tuples, and autograd, fake tensors,
 opcheck and AOTI all handle plain optional tensors. Any table routes the backward to
-``attention_bwd_bias``, which also returns ``d_pos_w`` / ``d_ts_w``.
+``attention_bwd_bias``, which also returns ``d_pos_w`` / ``d_ts_w``. A last optional ``ts_bounds: [num_buckets]``
+(``reference.time_bucket_bounds``) gives the time-bucket thresholds of any monotone bucketisation (a user's
+fp32-log bucket); None means the default fp64-log bucket's, which the kernels cache per (num_buckets, dtype,
+device).
 """
 from __future__ import annotations
 
@@ -82,27 +85,30 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
               num_targets: Optional[Tensor] = None, attn_scale: Optional[Tensor] = None, max_attn_len: int = 0,
               contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0, causal: bool = True,
               rab: Optional[Tensor] = None, intervals: Optional[Tensor] = None, timestamps: Optional[Tensor] = None,
-              pos_w: Optional[Tensor] = None, ts_w: Optional[Tensor] = None) -> Tensor:
+              pos_w: Optional[Tensor] = None, ts_w: Optional[Tensor] = None,
+              ts_bounds: Optional[Tensor] = None) -> Tensor:
     """Jagged HSTU attention forward, ``[L, H, Dv]`` (see ``reference.hstu_mha``); the bias inside the silu is
-    ``rab`` plus the table bias of ``timestamps``/``pos_w``/``ts_w`` (docs/semantics.md)."""
-    plain = rab is None and intervals is None and timestamps is None and pos_w is None and ts_w is None
+    ``rab`` plus the table bias of ``timestamps``/``pos_w``/``ts_w`` (docs/semantics.md), time buckets from the
+    thresholds ``ts_bounds`` (None: those of the default fp64-log bucket)."""
+    plain = (rab is None and intervals is None and timestamps is None and pos_w is None and ts_w is None
+             and ts_bounds is None)
     if not (plain and _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
                                        contextual_seq_len, min_full_attn_seq_len, causal)):
         validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
                                   contextual_seq_len, min_full_attn_seq_len, causal=causal, check_values=False)
         validate_rab_intervals(q, seq_offsets, max_seq_len, rab, intervals, num_targets, max_attn_len,
                                contextual_seq_len, min_full_attn_seq_len)
-        validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w)
+        validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w, ts_bounds)
     check_jagged_values(seq_offsets, k.shape[0], max_seq_len, num_targets)
     kern = _kernels_for(q)
     if kern is not None:
         return kern.hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
                                        max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, tma=_tma(),
-                                       **_bias_kw(rab, intervals, timestamps, pos_w, ts_w))
+                                       **_bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds))
     return hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal=causal, dropout_pr=0.0, training=False,
                     num_targets=num_targets, attn_scale=attn_scale, max_attn_len=max_attn_len,
                     contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len,
-                    rab=_dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w),
+                    rab=_dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds),
                     intervals=intervals).contiguous()
 
 
@@ -110,27 +116,29 @@ def _has_tables(pos_w, ts_w) -> bool:
     return pos_w is not None or ts_w is not None
 
 
-def _bias_kw(rab, intervals, timestamps, pos_w, ts_w) -> dict:
+def _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds=None) -> dict:
     """Kernel keywords; none at all without a bias or intervals (the launch is today's)."""
     kw = {}
     if rab is not None or intervals is not None:
         kw.update(rab=rab, intervals=intervals)
     if _has_tables(pos_w, ts_w):
         kw.update(timestamps=timestamps if ts_w is not None else None, pos_w=pos_w, ts_w=ts_w)
+        if ts_bounds is not None:  # None: the kernels use the default thresholds (cached there)
+            kw["ts_bounds"] = ts_bounds
     return kw
 
 
-def _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w):
+def _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds=None):
     """The reference path's bias: ``rab`` plus the materialised table bias ``[B, 1, N, N]``."""
     if not _has_tables(pos_w, ts_w):
         return rab
-    tb = relative_bias(timestamps, seq_offsets, max_seq_len, pos_w, ts_w)
+    tb = relative_bias(timestamps, seq_offsets, max_seq_len, pos_w, ts_w, ts_bounds)
     return tb if rab is None else rab + tb
 
 
 def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
          min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad, timestamps=None, pos_w=None,
-         ts_w=None, need_table_grad=None):
+         ts_w=None, need_table_grad=None, ts_bounds=None):
     """Body of the backward ops: ``(dq, dk, dv, d_attn_scale[, d_rab])``, empty ``d_attn_scale`` unless
     requested (the kernels do not compute it, so that case runs the reference). ``need_table_grad`` not
     None (``attention_bwd_bias``): always ``(dq, dk, dv, d_attn_scale, d_rab, d_pos_w, d_ts_w)``, empty
@@ -141,7 +149,7 @@ def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale
     empty = lambda: q.new_empty(0)  # noqa: E731  (a fresh one per output: outputs may not alias)
     kern = None if need_scale_grad else _kernels_for(q)
     if kern is not None:
-        extra = _bias_kw(rab, intervals, timestamps, pos_w, ts_w)
+        extra = _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds)
         if rab is not None or intervals is not None:
             extra["rab_grad"] = need_rab
         if need_tab:
@@ -153,7 +161,7 @@ def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale
         d_rab = rest.pop(0) if need_rab else None
         d_pos, d_ts = rest if need_tab else (None, None)
     else:
-        bias = _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w)
+        bias = _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds)
         need_bias = need_rab or need_tab
         got = hstu_mha_backward(grad, max_seq_len, alpha, q, k, v, seq_offsets, causal, num_targets, attn_scale,
                                 max_attn_len, contextual_seq_len, min_full_attn_seq_len, need_scale_grad, rab=bias,
@@ -165,7 +173,7 @@ def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale
             d_rab = got[4].sum_to_size(rab.shape).to(rab.dtype).contiguous()
         if need_tab:
             d_pos, d_ts = relative_bias_backward(got[4], timestamps, seq_offsets, max_seq_len,
-                                                 ts_w.shape[0] - 1 if ts_w is not None else None)
+                                                 ts_w.shape[0] - 1 if ts_w is not None else None, ts_bounds)
             d_pos = d_pos.to(pos_w.dtype) if pos_w is not None else None
             d_ts = d_ts.to(ts_w.dtype) if ts_w is not None else None
     if not bias_op:
@@ -200,18 +208,21 @@ def attention_bwd_bias(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offset
                        contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool, need_scale_grad: bool,
                        rab: Optional[Tensor], intervals: Optional[Tensor], timestamps: Optional[Tensor],
                        pos_w: Optional[Tensor], ts_w: Optional[Tensor], need_rab_grad: bool,
-                       need_table_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       need_table_grad: bool, ts_bounds: Optional[Tensor] = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward with the table bias: ``(dq, dk, dv, d_attn_scale, d_rab, d_pos_w, d_ts_w)``; a gradient not
-    requested (or of an absent input) is an empty tensor."""
+    requested (or of an absent input) is an empty tensor. ``ts_bounds`` as in :func:`attention`."""
+    validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w, ts_bounds)
     return _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
                 contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad,
-                timestamps, pos_w, ts_w, need_table_grad)
+                timestamps, pos_w, ts_w, need_table_grad, ts_bounds)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
-     min_full_attn_seq_len, causal, rab, intervals, timestamps, pos_w, ts_w) = inputs
-    ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals, timestamps, pos_w, ts_w)
+     min_full_attn_seq_len, causal, rab, intervals, timestamps, pos_w, ts_w, ts_bounds) = inputs
+    ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals, timestamps, pos_w, ts_w,
+                          ts_bounds)
     ctx.args = (max_seq_len, alpha, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal)
     ctx.need_scale_grad = attn_scale is not None and ctx.needs_input_grad[7]
     ctx.need_rab_grad = rab is not None and ctx.needs_input_grad[12]
@@ -220,14 +231,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals, timestamps, pos_w, ts_w = ctx.saved_tensors
+    q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals, timestamps, pos_w, ts_w, ts_bounds = ctx.saved_tensors
     max_seq_len, alpha, w, c, f, causal = ctx.args
     args = (grad.contiguous(), q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, w, c, f, causal,
             ctx.need_scale_grad)
     d_rab = d_pos = d_ts = None
     if _has_tables(pos_w, ts_w):
         dq, dk, dv, d_scale, d_rab, d_pos, d_ts = torch.ops.hstu.attention_bwd_bias(
-            *args, rab, intervals, timestamps, pos_w, ts_w, ctx.need_rab_grad, ctx.need_table_grad)
+            *args, rab, intervals, timestamps, pos_w, ts_w, ctx.need_rab_grad, ctx.need_table_grad, ts_bounds)
         d_rab = d_rab if ctx.need_rab_grad else None
         d_pos = d_pos if ctx.need_table_grad and pos_w is not None else None
         d_ts = d_ts if ctx.need_table_grad and ts_w is not None else None
@@ -238,7 +249,7 @@ def _backward(ctx, grad):
     else:
         dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args, rab, intervals)
     return (dq, dk, dv, None, None, None, None, (d_scale if ctx.need_scale_grad else None), None, None, None, None,
-            d_rab, None, None, d_pos, d_ts)
+            d_rab, None, None, d_pos, d_ts, None)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

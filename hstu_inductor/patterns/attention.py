@@ -45,6 +45,22 @@ from .registry import register
 log = logging.getLogger("hstu_inductor")
 
 
+def _prove_generalised(gm, e):
+    """``generalize.prove_generalised``; when the copy that generalises a table-bias term's producers
+    too (``e.table_cut``: for path (b)) does not generalise or prove, again with those terms cut
+    (path (a), their producers left as they are)."""
+    try:
+        return generalize.prove_generalised(gm, e, prove, rewrite)
+    except (generalize.GeneralizeError, Decline, lay.LayoutError) as first:
+        if not getattr(e, "table_cut", None):
+            raise
+        log.debug("hstu_inductor: generalised proof with the table bias's producers failed (%s); "
+                  "again with the bias cut out", first)
+        e.sizes.cut.update(e.table_cut)
+        e.table_cut = None
+        return generalize.prove_generalised(gm, e, prove, rewrite)
+
+
 @register("attention")
 def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
     """Replace every proven jagged silu attention in ``gm`` by ``hstu.attention`` (in place)."""
@@ -69,7 +85,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
             except TooLarge as e:  # static sizes too large to probe: prove a generalised copy
                 start = time.perf_counter()
                 try:
-                    plan = generalize.prove_generalised(gm, e, prove, rewrite)
+                    plan = _prove_generalised(gm, e)
                 except generalize.GeneralizeError as g:
                     raise Decline(f"{e}; generalising its sizes failed: {g}") from None
                 except (Decline, lay.LayoutError) as g:

@@ -47,6 +47,12 @@ class Bias:
     terms: list
     ratio: float = None   # b / a of ``silu(a * S + b * R)``, fitted on the first probe
     coeff: float = 1.0    # b: the op's rab is ``b * sum(sign * R)``
+    tables: object = None  # attn_tables.Tables: the terms proven to be the table bias (path b)
+    table_reasons: list = dataclasses.field(default_factory=list)  # why other table terms stay dense
+
+    def dense_terms(self) -> list:
+        moved = self.tables.terms if self.tables is not None else ()
+        return [t for t in self.terms if all(t is not m for m in moved)]
 
 
 def find_bias(s_order, sderived, layouts, plan) -> Bias | None:
@@ -61,8 +67,8 @@ def find_bias(s_order, sderived, layouts, plan) -> Bias | None:
         a0, a1 = n.args
         for pos, (mine, other) in enumerate(((a0, a1), (a1, a0))):
             if mine in sderived and isinstance(other, torch.fx.Node) and other not in sderived and is_float(other):
-                sign = _ADDS[n.target] if pos == 1 else 1.0
-                if n.target is aten.sub.Tensor and pos == 0:  # R - scores: the scores are negated, no bias form
+                sign = _ADDS[n.target] if pos == 0 else 1.0  # scores - R: sign -1
+                if n.target is aten.sub.Tensor and pos == 1:  # R - scores: the scores are negated, no bias form
                     raise Decline(f"{op_name(n)} subtracts the scores from {other.name}: not scores + bias")
                 terms.append(BiasTerm(other, n, sign, _align(other, layouts[n])))
     if not terms:
@@ -169,12 +175,12 @@ def emit_rab(call, plan, N_arg):
     if bias is None:
         return None
     out = None
-    for t in bias.terms:
+    for t in bias.dense_terms():
         x = _as_rab(call, t, plan, N_arg)
         if t.sign != 1.0:
             x = call(aten.neg.default, [x])
         out = x if out is None else call(aten.add.Tensor, [out, x])
-    if bias.coeff != 1.0:
+    if out is not None and bias.coeff != 1.0:
         out = call(aten.mul.Tensor, [out, bias.coeff])
     return out
 
@@ -250,7 +256,7 @@ def _size_arg(s, plan, N_arg):
 
 def describe(plan) -> str:
     bias = plan.rab
-    if bias is None:
+    if bias is None or not bias.dense_terms():
         return ""
-    names = "+".join(("-" if t.sign < 0 else "") + t.node.name for t in bias.terms)
+    names = "+".join(("-" if t.sign < 0 else "") + t.node.name for t in bias.dense_terms())
     return f"rab={names}" + (f"*{bias.coeff:g}" if bias.coeff != 1.0 else "")

@@ -17,7 +17,7 @@ import operator
 import sympy
 import torch
 
-from . import attn_bias, attn_intervals
+from . import attn_bias, attn_intervals, attn_tables
 from .attn_find import Operand, meta_val, op_name
 from .attn_layout import arg_value
 from .attn_structure import Plan, mode_key
@@ -122,6 +122,9 @@ def rewrite(gm, plan: Plan):
         args = [q3, k3, v3, plan.offsets_arg, plan.N_arg, plan.alpha, plan.num_targets, scale, w, c, f, causal]
         call = lambda t, a, kw=None: emit_call(graph, t, a, kw)  # noqa: E731
         extra = [attn_bias.emit_rab(call, plan, plan.N_arg), attn_intervals.emit_intervals(call, plan)]
+        tables = attn_tables.emit_tables(call, gm, plan, plan.N_arg)
+        if any(x is not None for x in tables):  # path (b): timestamps, pos_w, ts_w, ts_bounds
+            extra += tables
         if any(x is not None for x in extra):  # graphs without rab / intervals keep the 12-argument call
             args += extra
         y = emit_call(graph, torch.ops.hstu.attention.default, args)
@@ -233,7 +236,9 @@ def describe(plan: Plan) -> str:
         parts.append(f"contextual_seq_len={c}")
     if f:
         parts.append(f"min_full_attn_seq_len={f}")
-    parts += [x for x in (attn_bias.describe(plan), attn_intervals.describe(plan)) if x]
+    parts += [x for x in (attn_bias.describe(plan), attn_tables.describe(plan), attn_intervals.describe(plan)) if x]
+    if plan.rab is not None and plan.rab.table_reasons:
+        parts.append("stays dense: " + "; ".join(plan.rab.table_reasons))
     pads = sorted({op_name(x.D) for x in (plan.q, plan.k, plan.v)})
     if any(x.narrows for x in (plan.q, plan.k, plan.v)):
         pads.append(f"feature slices of {'/'.join(sorted({x.D.name for x in (plan.q, plan.k, plan.v)}))}")

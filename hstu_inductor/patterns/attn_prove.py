@@ -25,7 +25,7 @@ import random
 import sympy
 import torch
 
-from . import attn_bias, attn_intervals
+from . import attn_bias, attn_intervals, attn_tables
 from . import attn_layout as lay
 from .attn_find import (
     PadMismatch, find_operand, jagged_descriptor, looks_like_lengths, meta_val, retry_sources, source_candidates,
@@ -243,6 +243,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     mask_ints |= {_const_value(i, 0) + d for i in range(len(ksyms)) for d in range(3)}  # values at probe 0
     chosen = None
     consts = []  # symbolic N: (N, fitted score constant, binding) per probe
+    tables, tgen = None, torch.Generator().manual_seed(777)  # bias terms on their way to path (b)
     for p, (Np, lengths) in enumerate(probes):
         Bp, Lp = len(lengths), sum(lengths)
         pairs = [(sym_expr(meta_val(plan.offsets).shape[0]), Bp + (0 if plan.lengths else 1))]
@@ -277,8 +278,14 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                            plan=plan, last=list(post)[-1] if post else plan.out, B=Bs, N=N if isinstance(N, int) else None,
                            L=Ls, descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
                            lengths=plan.lengths, leaves=leaves)
-            # a bias / interval tensor stays an input of the generalised copy (probed, never generalised)
-            err.sizes.cut = {**attn_bias.cut_sizes(plan), **attn_intervals.cut_sizes(plan)}
+            # a bias / interval tensor stays an input of the generalised copy (probed, never generalised),
+            # except, on a first attempt, a bias term that looks like the table bias: its producers are
+            # generalised with the rest so that the table proof (attn_tables) runs on the small copy
+            # (attention.py retries with it cut when that copy does not generalise or prove)
+            cut = attn_bias.cut_sizes(plan)
+            tabled = {tc.term.node for tc in attn_tables.analyse(plan) if tc.reason is None}
+            err.table_cut = {n: d for n, d in cut.items() if n in tabled}
+            err.sizes.cut = {**{n: d for n, d in cut.items() if n not in tabled}, **attn_intervals.cut_sizes(plan)}
             raise err
 
         # pads
@@ -345,6 +352,9 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         fits[:] = [f for f in fits if holds(f)]
         if not fits:
             raise Decline(f"scores differ from mask * scale * silu(alpha * qk) on probe {p} (lengths {lengths})")
+        if plan.rab is not None:  # which bias terms are the table bias (else they stay dense rab terms)
+            tables = attn_tables.analyse(plan) if tables is None else tables
+            attn_tables.probe(tables, gm, plan, env0, binding, off, lens, Np, crd, X.shape, in_seq, tgen)
         if plan.dense and bool(((X != 0) & (ii >= n_b) & (jj < n_b)).any()):
             raise Decline(f"attention output is used padded (no unpad) but its padding rows are not zero "
                           f"(probe {p})")
@@ -374,6 +384,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                 post_ok = list(post).index(m.node)  # leave it (and what follows) to the user
 
     alpha, c0, fits = chosen
+    attn_tables.finish(tables or [], plan)
     # the first fitted set, in its most symbolic reading that survived (a parameter the probes
     # cannot pin down keeps the constant's symbol, as when readings were symbolic only)
     params = next(r for i, r in fits if i == fits[0][0])

@@ -439,6 +439,9 @@ class _Generaliser:
         # one row more or less than N or L (a buffer with a sentinel row, L + 1 slots for a cumsum)
         opts += [(0, 1, sympy.expand(e + d)) for e, h, kind in self.named_atoms if kind in ("N", "L")
                  for d in (1, -1) if c == h + d]
+        # a relative-position table's sizes: 2N - 1 rows, the pad-and-repeat trick's 3N - 2 / 3N - 1
+        opts += [(0, 1, sympy.expand(k * e + d)) for e, h, kind in self.named_atoms if kind == "N"
+                 for k in (2, 3) for d in (-2, -1, 0, 1) if c == k * h + d]
         seen, out = set(), []
         for _, _, e in opts:
             if e not in seen:
@@ -458,6 +461,8 @@ class _Generaliser:
             for off in offs:
                 if c == h + off and c >= 2:
                     opts.append(sympy.expand(expr + off))
+            if kind == "N":  # a relative-position window: 2N - 1, 3N - 2 (pad-and-repeat)
+                opts += [sympy.expand(k * expr + d) for k in (2, 3) for d in (-2, -1, 0, 1) if c == k * h + d]
         for (e1, h1, k1), (e2, h2, k2) in itertools.combinations(self.named_atoms, 2):
             if {k1, k2} == {"B", "N"} and c == h1 * h2:
                 opts.append(sympy.expand(e1 * e2))
@@ -590,6 +595,9 @@ class _Generaliser:
             kwargs["output_size"] = self._fresh_size(key, ("output_size",), kwargs["output_size"])
         elif name == "repeat" and len(args) > 1:
             args[1] = [self._fresh_size(key, ("repeat", i), s) if _is_int(s) else s for i, s in enumerate(args[1])]
+        elif name == "constant_pad_nd" and len(args) > 1:  # F.pad amounts (the pad-and-repeat's [0, N])
+            args[1] = [self._fresh_size(key, ("pad", i), s) if _is_int(s) and s > 1 else s
+                       for i, s in enumerate(args[1])]
         elif (d := _diagonal(node)) is not None and abs(d) in self.consts:  # a window as a diagonal
             sign = 1 if d > 0 else -1
             opts = [sign * self.consts[abs(d)], sympy.Integer(d)]

@@ -83,16 +83,24 @@ def _no_double(target) -> bool:
     return ns == "fbgemm"
 
 
-def evaluate(gm: torch.fx.GraphModule, order: list, env: dict) -> dict:
-    """Run ``order`` (graph order) eagerly on ``env`` (node -> concrete value); returns env."""
+def _to_cpu(x):
+    return torch.device("cpu") if isinstance(x, torch.device) else x
+
+
+def evaluate(gm: torch.fx.GraphModule, order: list, env: dict, native: bool = False) -> dict:
+    """Run ``order`` (graph order) eagerly on ``env`` (node -> concrete value); returns env.
+    ``native``: keep the graph's dtypes (only devices are mapped to CPU), for subgraphs whose
+    rounding is their meaning (a time bucket computed in float32)."""
     env = dict(env)
+    conv = _to_cpu if native else _to_probe
 
     def load(a):
         if isinstance(a, torch.fx.Node):
             if a not in env:
                 if a.op == "get_attr":
                     obj = attribute(gm, a.target)
-                    env[a] = obj.detach().to("cpu").to(torch.float64) if obj.is_floating_point() else obj.cpu()
+                    env[a] = obj.detach().to("cpu").to(torch.float64) if obj.is_floating_point() and not native \
+                        else obj.detach().cpu()
                 else:
                     raise Decline(f"probe evaluation reached an unbound input {a.name}")
             return env[a]
@@ -100,7 +108,7 @@ def evaluate(gm: torch.fx.GraphModule, order: list, env: dict) -> dict:
             return type(a)(load(x) for x in a)
         if isinstance(a, dict):
             return {k: load(v) for k, v in a.items()}
-        return _to_probe(a)
+        return conv(a)
 
     for n in order:
         if n.op != "call_function":
@@ -112,7 +120,7 @@ def evaluate(gm: torch.fx.GraphModule, order: list, env: dict) -> dict:
             raise Decline(f"uninitialised tensor {n.name} in the candidate")
         args, kwargs = load(n.args), load(n.kwargs)
         try:
-            if _no_double(n.target):  # e.g. fbgemm CPU kernels: run in float32, exact for data movement
+            if _no_double(n.target) and not native:  # e.g. fbgemm CPU kernels: run in float32, exact for data movement
                 down = lambda a: a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.float64 else a  # noqa
                 args = torch.utils._pytree.tree_map(down, args)
                 res = n.target(*args, **kwargs)

@@ -102,9 +102,12 @@ def validate_rab_intervals(
 
 
 def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Tensor | None,
-                        pos_w: torch.Tensor | None, ts_w: torch.Tensor | None) -> None:
+                        pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
+                        ts_bounds: torch.Tensor | None = None) -> None:
     """The table bias of ``hstu::attention`` (docs/semantics.md): ``pos_w: [2N-1]`` and/or ``ts_w:
-    [num_buckets+1]`` (fp16/bf16/fp32), ``timestamps: [L]`` (int32/int64/fp32/fp64) exactly when ``ts_w`` is given."""
+    [num_buckets+1]`` (fp16/bf16/fp32), ``timestamps: [L]`` (int32/int64/fp32/fp64) exactly when ``ts_w`` is given;
+    optional ``ts_bounds: [num_buckets]`` (int64 for integer timestamps, else the timestamps' dtype). Their
+    values (non-decreasing thresholds) are the caller's contract, not checked (that would need a host sync)."""
     L = q.shape[0]
     require(timestamps is None or ts_w is not None, lambda: "timestamps are only used with ts_w")
     require(ts_w is None or timestamps is not None, lambda: "ts_w needs timestamps")
@@ -124,6 +127,16 @@ def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Ten
         require(timestamps.dtype in (torch.int32, torch.int64, torch.float32, torch.float64),
                 lambda: f"timestamps must be int32/int64/fp32/fp64, got {timestamps.dtype}")
         require(timestamps.device == q.device, lambda: f"timestamps is on {timestamps.device}, q on {q.device}")
+    require(ts_bounds is None or ts_w is not None, lambda: "ts_bounds (time-bucket thresholds) are only used with ts_w")
+    if ts_bounds is not None:
+        nb = ts_w.shape[0] - 1
+        require(ts_bounds.dim() == 1 and ts_bounds.shape[0] == nb,
+                lambda: f"ts_bounds must be [num_buckets] = [len(ts_w) - 1] = [{nb}], got {tuple(ts_bounds.shape)}")
+        want = timestamps.dtype if timestamps.is_floating_point() else torch.int64
+        require(ts_bounds.dtype == want,
+                lambda: f"ts_bounds must be {want} for {timestamps.dtype} timestamps (int64 for integer timestamps, "
+                        f"else the timestamps' dtype), got {ts_bounds.dtype}")
+        require(ts_bounds.device == q.device, lambda: f"ts_bounds is on {ts_bounds.device}, q on {q.device}")
 
 
 def _valid(seq_offsets, N, num_targets, w, c, f, causal, intervals):

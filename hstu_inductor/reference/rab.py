@@ -128,3 +128,35 @@ def relative_bias_backward(d_bias: torch.Tensor, timestamps: torch.Tensor | None
     if num_buckets is not None:
         d_ts = g.new_zeros(num_buckets + 1).index_add_(0, bucket.reshape(-1), g.reshape(-1))
     return d_pos, d_ts
+
+
+_FLOAT_BITS = {torch.float64: (torch.int64, 0x7FF0000000000000), torch.float32: (torch.int32, 0x7F800000)}
+
+
+def default_time_bucket_bounds(num_buckets: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """:func:`time_bucket_bounds` of the default bucketisation (:func:`time_buckets`), computed on ``device``
+    with a fixed number of pointwise steps: no host sync and no host-to-device copy, so it can be traced
+    (torch.compile, AOTI: Inductor fuses it into one small kernel) and captured in a CUDA graph. Equal to
+    ``time_bucket_bounds(num_buckets, dtype)`` evaluated with ``device``'s fp64 log."""
+    k = torch.arange(1, num_buckets + 1, dtype=torch.int64, device=device)
+    if dtype.is_floating_point:
+        if dtype not in _FLOAT_BITS:
+            raise ValueError(f"time gaps of dtype {dtype} are not supported (int32/int64/fp32/fp64)")
+        bits, hi0 = _FLOAT_BITS[dtype]
+        value = lambda key: key.to(bits).view(dtype)  # noqa: E731  (non-negative floats ordered by their bits)
+    else:
+        top = torch.iinfo(dtype).max
+        hi0 = top if dtype == torch.int64 else top + 1
+        value = lambda key: key.clamp(max=top).to(dtype)  # noqa: E731
+    fn = lambda key: time_buckets(value(key), num_buckets) >= k  # noqa: E731
+    lo = torch.zeros_like(k)
+    hi = torch.full_like(k, hi0)
+    below = fn(lo)
+    for _ in range(64):  # hi - lo <= 2**63 halves to 1 within 63 steps; finished lanes stay put
+        mid = lo + (hi - lo) // 2
+        up = fn(mid)
+        live = hi - lo > 1
+        hi = torch.where(live & up, mid, hi)
+        lo = torch.where(live & ~up, mid, lo)
+    out = torch.where(below, lo, hi)
+    return value(out) if dtype.is_floating_point else out

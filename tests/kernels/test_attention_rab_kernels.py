@@ -325,3 +325,106 @@ def test_gpu_intervals(dtype, tma, poison, monkeypatch):
         monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
         _check(q, k, v, dout, off, n, 1.0 / D, intervals=sla, tma=tma, deterministic=algo == "split")
         _check(q, k, v, dout, off, n, 1.0 / D, intervals=rnd, rab=rab, tma=tma, deterministic=algo == "split")
+
+
+# ------------------------------------------------------------------------------------------------
+# Time buckets from thresholds (_time_bucket): exact, at and next to every threshold
+# ------------------------------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from hstu_inductor.reference.rab import buckets_from_bounds, time_bucket_bounds  # noqa: E402
+
+
+@triton.jit
+def _bucket_probe(TSN, TSJ, PAD, OUT, TSB, TSP, NB, base, small, has_pad, rows, cols, R: tl.constexpr,
+                  C: tl.constexpr, TS_STEPS: tl.constexpr):
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    tsn = tl.load(TSN + r, mask=r < rows, other=0)[:, None]
+    tsj = tl.load(TSJ + c, mask=c < cols, other=0)[None, :]
+    pad = tl.load(PAD + r, mask=r < rows, other=0)[:, None] != 0
+    bk = K._time_bucket(tsn, tsj, pad, has_pad != 0, TSB, TSP, NB, tl.load(TSP), tl.load(TSP + 1), tl.load(TSP + 2),
+                        base, small, TS_STEPS)
+    tl.store(OUT + r[:, None] * cols + c[None, :], bk, mask=(r[:, None] < rows) & (c[None, :] < cols))
+
+
+def _probe(tsn, tsj, pad, bounds, nb, small):
+    """Run _time_bucket on the tile (tsn - tsj) (pad rows compare with 0); base = the least timestamp."""
+    tsb, tsp = K._ts_bounds_and_plan(bounds, nb, tsn.dtype, tsn.device)
+    out = torch.full((tsn.numel(), tsj.numel()), -1, dtype=torch.int32)
+    base = int(min(tsn[~pad].min(), tsj.min())) if not tsn.is_floating_point() else 0
+    _bucket_probe[(1,)](tsn, tsj, pad.to(torch.int32), out, tsb, tsp, nb, base, int(small), int(bool(pad.any())),
+                        tsn.numel(), tsj.numel(), triton.next_power_of_2(tsn.numel()),
+                        triton.next_power_of_2(tsj.numel()), int(nb).bit_length())
+    return out, tsp
+
+
+def _expected(tsn, tsj, pad, bounds):
+    dt = torch.where(pad[:, None], torch.zeros_like(tsn)[:, None], tsn[:, None]) - tsj[None, :]
+    return buckets_from_bounds(dt, bounds).to(torch.int32)
+
+
+def _around(bounds, dtype):
+    """Gaps at, just below and just above every threshold (clipped to the gap dtype's range)."""
+    if dtype.is_floating_point:
+        b = bounds[torch.isfinite(bounds)]
+        return torch.cat([b, torch.nextafter(b, torch.zeros_like(b)), torch.nextafter(b, torch.full_like(b, float("inf"))),
+                          torch.tensor([0.0, 0.5, 1.0], dtype=dtype)]).clamp(min=0)
+    top = torch.iinfo(dtype).max
+    b = bounds.clamp(max=top)
+    return torch.cat([b, (b - 1).clamp(min=0), (b + 1).clamp(max=top), torch.tensor([0, 1, 2, 3])]).unique()
+
+
+def _user_fp32_log(nb):
+    return lambda dt: (torch.log(dt.abs().clamp(min=1).to(torch.float32)) / 0.301).long().clamp(0, nb)
+
+
+BUCKET_CASES = {  # timestamp dtype, num_buckets, bucket function (None: the default fp64 log)
+    "int64_default": (torch.int64, 128, None), "int64_user_fp32_log": (torch.int64, 128, "user"),
+    "int32_default": (torch.int32, 40, None), "fp32_default": (torch.float32, 128, None),
+    "fp64_default": (torch.float64, 60, None), "int64_linear": (torch.int64, 20, "linear"),
+    "fp32_user": (torch.float32, 100, "user32"),
+}
+
+
+@SMALL
+@pytest.mark.parametrize("case", list(BUCKET_CASES))
+def test_time_bucket_exact_at_thresholds(case):
+    """_time_bucket == buckets_from_bounds exactly, for gaps at / next to every threshold, both signs, on the
+    fast path (gaps within 2**24 of the least timestamp), the native path (wider), and the padding row
+    (compared with timestamp 0); thresholds of the default bucket, of a user fp32-log bucket (82 of 128 differ),
+    of a linear bucket (the log guess does not fit: binary search) and of an fp32-valued user bucket."""
+    dtype, nb, fn = BUCKET_CASES[case]
+    g = torch.Generator().manual_seed(sum(map(ord, case)))
+    bucket_fn = {None: None, "user": _user_fp32_log(nb), "linear": lambda d: (d.abs() // 997).clamp(0, nb),
+                 "user32": lambda d: (torch.log2(d.abs().clamp(min=1e-3)) * 3 + 9).floor().long().clamp(0, nb)}[fn]
+    bounds = time_bucket_bounds(nb, dtype, bucket_fn)
+    gaps = _around(bounds, dtype)
+    gaps = gaps[torch.randperm(gaps.numel(), generator=g)]
+    plan_fits = None
+    for lo_span in (True, False):
+        sel = gaps if not lo_span or dtype.is_floating_point else gaps[gaps < 2 ** 23]
+        if sel.numel() == 0:
+            continue
+        t0 = torch.tensor(1_700_000_000 if dtype == torch.int64 else 0, dtype=dtype)
+        half = sel.numel() // 2  # both signs: tsn above tsj and below
+        tsj = torch.cat([torch.full((1,), 0, dtype=dtype) + t0 + (2 ** 23 if lo_span and not dtype.is_floating_point
+                                                                   else 0)])
+        tsn = torch.cat([tsj + sel[:half], tsj - sel[half:]]) if not dtype.is_floating_point else \
+            torch.cat([tsj + sel[:half], tsj - sel[half:]])
+        if dtype == torch.int32 and not lo_span:
+            tsj = torch.zeros(1, dtype=dtype)
+            tsn = torch.cat([sel[:half], -sel[half:]])
+        tsj = torch.cat([tsj, tsj + torch.randint(0, 3, (2,), generator=g).to(dtype)])
+        pad = torch.zeros(tsn.numel(), dtype=torch.bool)
+        pad[torch.randint(0, tsn.numel(), (1,), generator=g)] = True
+        tsn[pad] = 0  # as the kernel loads it (padding has timestamp 0)
+        small = (not dtype.is_floating_point) and lo_span
+        if small:
+            real = torch.cat([tsn[~pad], tsj])
+            assert int(real.max()) - int(real.min()) < 2 ** 24
+        got, tsp = _probe(tsn, tsj, pad, bounds, nb, small)
+        plan_fits = float(tsp[2])
+        assert torch.equal(got, _expected(tsn, tsj, pad, bounds)), case
+    assert plan_fits == (0.0 if fn == "linear" else 1.0)

@@ -288,10 +288,29 @@ RAB_CASES = [  # (spelling, mask): every spelling once, every mask option at lea
 ]
 
 
+# biases proven to be the position / bucketed-time tables go to the op's tables (path b,
+# test_attention_rab_tables.py); the others are dense rab terms (path a)
+TABLE_SPELLINGS = {"hstu_rel", "hstu_rel_alpha_after", "pos_embedding_nn", "pos_plus_ts_sigmoid", "bmm_flat",
+                   "gr_pad_repeat"}
+
+
+def _route(spelling):
+    return "tables:" if spelling in TABLE_SPELLINGS else "rab="
+
+
 @pytest.mark.parametrize("spelling,mask", RAB_CASES, ids=[f"{s}-{m}" for s, m in RAB_CASES])
 def test_rab_rewritten_equal_to_eager(spelling, mask, fresh_dynamo):
     report = _compile_check(RabModel(spelling, mask))
-    assert "rab=" in report.details[0][1], report.details
+    assert _route(spelling) in report.details[0][1], report.details
+    assert ("rab=" in report.details[0][1]) == (spelling not in TABLE_SPELLINGS), report.details
+
+
+@pytest.mark.parametrize("spelling,mask", [c for c in RAB_CASES if c[0] in TABLE_SPELLINGS][:3])
+def test_rab_tables_off_dense_equal_to_eager(spelling, mask, fresh_dynamo):
+    """``config.rab_tables = False``: the same biases as dense rab terms (path a), still eager-equal."""
+    with hstu_inductor.config.patch(rab_tables=False):
+        report = _compile_check(RabModel(spelling, mask), train=True)
+    assert "rab=" in report.details[0][1] and "tables:" not in report.details[0][1], report.details
 
 
 @pytest.mark.parametrize("spelling", ["hstu_rel", "pos_plus_ts_sigmoid", "head_bias_inside_alpha",
@@ -304,7 +323,7 @@ def test_rab_training_gradients_reach_tables(spelling, fresh_dynamo):
 def test_rab_dynamic_true(fresh_dynamo):
     """``dynamic=True``: B, L symbolic; one rewrite, eager-equal on two batches of different L."""
     report = _compile_check(RabModel("hstu_rel", "contextual_targets"), dynamic=True)
-    assert report.graphs == 1 and "rab=" in report.details[0][1]
+    assert report.graphs == 1 and "tables:" in report.details[0][1]
 
 
 GRAPH_CASES = [  # (spelling, rab shape the op gets, whether that is an expand of the user's bias)
@@ -322,7 +341,8 @@ def test_rab_graph_arguments(spelling, shape, expanded):
     from test_attention_helpers import rewritten_graph
 
     model = RabModel(spelling, "causal")
-    gm, report = rewritten_graph(model, *make_args(LENGTHS))
+    with hstu_inductor.config.patch(rab_tables=False):  # the dense layouts (table biases go to path b)
+        gm, report = rewritten_graph(model, *make_args(LENGTHS))
     (op,) = _ops(gm)
     rab = op.args[12]
     assert tuple(rab.meta["val"].shape) == shape, rab.meta["val"].shape
@@ -511,7 +531,7 @@ class RabSLAModel(torch.nn.Module):
 
 def test_rab_with_sla_dynamic_true_training(fresh_dynamo):
     report = _compile_check(RabSLAModel(), dynamic=True, train=True)
-    assert "rab=" in report.details[0][1] and "intervals=" in report.details[0][1], report.details
+    assert "tables:" in report.details[0][1] and "intervals=" in report.details[0][1], report.details
 
 
 # ---------------------------------------------------------------------------------------------
@@ -630,7 +650,11 @@ def test_rab_production_size_fake(kind):
                                                   ((NUM_BUCKETS + 1,), torch.float32)])
     assert report.counts["attention"] == 1, report.near_misses
     (op,) = _ops(gm)
-    assert op.args[4] == n and tuple(op.args[12].meta["val"].shape) == (128, 1, n, n)
+    assert op.args[4] == n
+    # the bias's producers generalise with the rest (the pad-and-repeat's 2N - 1 / 3N - 2 too): the
+    # table proof runs on the small copy, path (b), nothing [128, 1, N, N]
+    assert op.args[12] is None and [tuple(a.meta["val"].shape) for a in op.args[14:18]] == \
+        [(128 * n - 3 * n // 2,), (2 * n - 1,), (NUM_BUCKETS + 1,), (NUM_BUCKETS,)], op.format_node()
     print(f"\nrab ({kind}) at B=128, N=4096: {secs:.2f} s; {report.details}")
 
 
@@ -677,6 +701,8 @@ def test_generalised_proof_spliced_equal_to_eager(kind, monkeypatch, fresh_dynam
     ref = model(*args)
     assert report.counts["attention"] == 1, report.near_misses
     assert "static sizes generalised" in report.details[0][1], report.details
+    if kind != "sla":  # the table bias proven on the generalised copy (path b)
+        assert "tables:" in report.details[0][1] and "rab=" not in report.details[0][1], report.details
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     leaves = [a for a in args if a.requires_grad]
     grad = torch.randn_like(ref)
@@ -766,7 +792,7 @@ def test_stu_stack_every_block_rewritten_training(kind, fresh_dynamo):
         got = compiled(x, offsets, nt, ts)
     ref = model(x, offsets, nt, ts)
     assert report.counts == {"attention": 2, "preprocess": 2, "output": 2}, report
-    assert all(("intervals=" if kind == "sla" else "rab=") in d for k, d in report.details if k == "attention")
+    assert all(("intervals=" if kind == "sla" else "tables:") in d for k, d in report.details if k == "attention")
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     leaves = [x, *model.parameters()]
     grad = torch.randn_like(ref)

@@ -1,0 +1,58 @@
+"""Which arguments torch's mutation analysis of user Triton kernels thinks each attention kernel writes.
+
+    .venv/bin/python scripts/mutation_analysis.py [pos+ts|pos|ts]
+
+torch.compile / AOTAutograd functionalize a ``wrap_triton`` launch by the tensors this analysis
+(``torch._higher_order_ops.triton_kernel_wrap.identify_accessed_tensors``, on the kernel's TTIR) reports as
+written, and copy them back into the inputs: an input it wrongly reports (a table requiring grad) fails the
+compile ("a leaf Variable that requires grad is being used in an in-place operation"). The analysis follows
+an address back through every argument of a helper call whose result feeds it, so a helper that received
+an input pointer taints it. Needs no GPU: the TTIR is generated for sm90. Prints one line per kernel.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+
+class _Sm90:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 128)
+
+
+def main(which="pos+ts"):
+    triton.runtime.driver.set_active(_Sm90())
+    from torch._higher_order_ops import triton_kernel_wrap as W
+
+    from hstu_inductor.kernels import attention as K
+
+    launches = []
+    K._launch = lambda kind, grid_rows, grid_x, block_d, args, kwargs, **kw: launches.append((kind, args, kwargs))
+    L, H, D, N = 20, 2, 16, 16
+    q, k, v, do = (torch.randn(L, H, D) for _ in range(4))
+    off = torch.tensor([0, 8, 20])
+    ts = torch.randint(0, 1000, (L,))
+    pos_w = torch.randn(2 * N - 1) if "pos" in which else None
+    ts_w = torch.randn(9) if "ts" in which else None
+    tkw = dict(timestamps=ts if ts_w is not None else None, pos_w=pos_w, ts_w=ts_w)
+    K.hstu_attention_fwd(q, k, v, off, N, 0.1, **tkw)
+    K.hstu_attention_bwd(do, q, k, v, off, N, 0.1, table_grad=True, **tkw)
+    for kind, args, kwargs in launches:
+        fn = K._JIT[kind]
+        kw = dict(zip(fn.arg_names, args))
+        kw.update({f: False for f in K._OPTIONAL_FLAGS[kind]})
+        kw.update(kwargs)
+        kw.update(K._cfg(kind, *K._GPU_CONFIGS[(kind, "fp32")][0]).kwargs)
+        acc = W.identify_accessed_tensors(fn, kw, {})
+        print(kind, "writes:", " ".join(d.name for d in acc.read_writes.writes))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
