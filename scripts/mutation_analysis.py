@@ -7,7 +7,8 @@ torch.compile / AOTAutograd functionalize a ``wrap_triton`` launch by the tensor
 written, and copy them back into the inputs: an input it wrongly reports (a table requiring grad) fails the
 compile ("a leaf Variable that requires grad is being used in an in-place operation"). The analysis follows
 an address back through every argument of a helper call whose result feeds it, so a helper that received
-an input pointer taints it. Needs no GPU: the TTIR is generated for sm90. Prints one line per kernel.
+an input pointer taints it; torch 2.11 also follows loads (the jagged offsets and num_targets that bound
+the query blocks: common.address_source gives traced launches private copies). Needs no GPU: the TTIR is generated for sm90. Prints one line per kernel.
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def main(which="pos+ts"):
     pos_w = torch.randn(2 * N - 1) if "pos" in which else None
     ts_w = torch.randn(9) if "ts" in which else None
     tkw = dict(timestamps=ts if ts_w is not None else None, pos_w=pos_w, ts_w=ts_w)
-    K.hstu_attention_fwd(q, k, v, off, N, 0.1, **tkw)
-    K.hstu_attention_bwd(do, q, k, v, off, N, 0.1, table_grad=True, **tkw)
+    nt = torch.tensor([2, 3])
+    K.hstu_attention_fwd(q, k, v, off, N, 0.1, nt, **tkw)
+    K.hstu_attention_bwd(do, q, k, v, off, N, 0.1, nt, table_grad=True, **tkw)
     for kind, args, kwargs in launches:
         fn = K._JIT[kind]
         kw = dict(zip(fn.arg_names, args))

@@ -135,13 +135,11 @@ def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
 
 
 @triton.jit
-def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj, TSB, TSP, n,
+def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj, TSB, TSP,
                    HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
     """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
     (None) pointer (a tuple cannot hold None). ``TSP``: the time-bucket guess (slope, offset, usable) fitted to
-    the thresholds ``TSB``, then the thresholds in fp32 (:func:`_ts_plan`, :func:`_time_bucket`). Integer
-    timestamps: ``base``, the sequence's least timestamp, and ``small``: all of them lie in [base, base + 2**24),
-    where gaps are exact in fp32 (one pass over the sequence's n timestamps per program)."""
+    the thresholds ``TSB``, then the thresholds in fp32 (:func:`_ts_plan`, :func:`_time_bucket`)."""
     RAB_b = 0
     TS_b = 0
     POS_t = 0
@@ -151,8 +149,6 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride
     slope = 0.0
     off = 0.0
     fits = 0.0
-    base = 0
-    small = 0
     if HAS_RAB:
         RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
     if HAS_POS:
@@ -165,17 +161,7 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride
         slope = tl.load(TSP)
         off = tl.load(TSP + 1)
         fits = tl.load(TSP + 2)
-        if not TS.dtype.element_ty.is_floating():
-            lo = tl.full([], 9223372036854775807, tl.int64)
-            hi = tl.full([], -9223372036854775807 - 1, tl.int64)
-            for s0 in range(0, n, 256):
-                o = s0 + tl.arange(0, 256)
-                t = tl.load(TS_b + o, mask=o < n, other=0).to(tl.int64)
-                lo = tl.minimum(lo, tl.min(tl.where(o < n, t, 9223372036854775807)))
-                hi = tl.maximum(hi, tl.max(tl.where(o < n, t, -9223372036854775807 - 1)))
-            small = (hi - lo < 16777216).to(tl.int32)  # n == 0: hi - lo wraps negative: no tile visited anyway
-            base = lo.to(TS.dtype.element_ty)
-    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N, TSB_t, TSP_t, slope, off, fits, base, small)
+    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N, TSB_t, TSP_t, slope, off, fits)
 
 
 @triton.jit
@@ -191,57 +177,43 @@ def _bucket_search(x, TSB, NB, TS_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _bucket_guess(xf, TSP, NB, slope, off):
-    """#{k : x >= TSB[k]} from ``xf == fp32(x)`` exactly (an fp32 gap, or an integer gap below 2**24): the guess
-    ``c = clamp(floor(slope * log2(xf) + off), 0, NB)`` (monotone in x), which :func:`_ts_plan` checked to be the
-    bucket or the one below it at both ends of every bucket, plus one where x reaches the next fp32 threshold
-    ``TSP[3 + c]`` (``TSP[3 + NB]`` is NaN: never reached). One gather per element from a tiny L1-resident table;
-    an fp32 threshold compares as its integer (below 2**24 it is exact, above it exceeds every such gap)."""
-    u = tl.log2(xf) * slope + off
-    u = tl.where(u > 0.0, u, 0.0)  # also NaN (a negative gap) and -inf (x = 0)
-    c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
-    return c + (xf >= tl.load(TSP + 3 + c)).to(tl.int32)
-
-
-@triton.jit
-def _time_bucket(tsn, tsj, pad_row, has_pad, TSB, TSP, NB, slope, off, fits, base, small, TS_STEPS: tl.constexpr):
+def _time_bucket(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS: tl.constexpr):
     """#{k : |tsn - tsj| >= TSB[k]} exactly, the gap taken in the timestamps' dtype (int32/int64/fp32/fp64), on
     the tile broadcast from the row and column vectors ``tsn``, ``tsj`` (``TSB``: sorted thresholds, int64 for
-    integer gaps, else the gaps' dtype; ``TSP[3:]`` the same in fp32; both tiny and L1-resident).
+    integer gaps, else the gaps' dtype; ``TSP[3:]`` the same in fp32 and a NaN; both tiny and L1-resident).
 
-    Per element the fast path is 32-bit only (64-bit values per score element spill, sm90): fp32 gaps as they
-    are; integer gaps rebased to the sequence's least timestamp when they all lie within 2**24 of it
-    (``small``), so ``(tsn - base) - (tsj - base)`` is exact in fp32, converted per row/column vector. The
-    padding row (``pad_row``: the last row of a shorter sequence compares with timestamp 0) is bucketed per
-    column instead, in the tiles holding it (``has_pad``). Otherwise (fp64 timestamps, a wider sequence, or thresholds the log-linear guess does
-    not follow, ``fits == 0``) a binary search in the native dtype per element: exact, slower."""
-    if tsn.dtype == tl.float32:
-        if fits != 0.0:
-            bk = _bucket_guess(tl.abs(tsn - tsj), TSP, NB, slope, off)
-        else:
-            bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
-    elif tsn.dtype == tl.float64:
-        bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
+    Per element the fast path keeps only 32-bit values (64-bit values per score element spill, sm90): the gap
+    is rounded to fp32 once (xf); the guess ``c = clamp(floor(slope * log2(xf) + off), 0, NB)`` (monotone) is
+    the bucket or the one below it (:func:`_ts_plan` checked both ends of every bucket), and one gather of
+    the next fp32 threshold decides which. Rounding is monotone, so ``xf != fp32(t)`` decides ``x >= t``; an
+    fp32 gap, or an integer one below 2**24, is exact, so only a tie above it (or an fp64 gap) is
+    ambiguous: a tile with one (rare) redoes its buckets by a binary search in the native dtype, as do all
+    tiles when the thresholds do not follow the log-linear guess (``fits == 0``, one flag per call)."""
+    if fits != 0.0:
+        xf = tl.abs(tsn - tsj).to(tl.float32)
+        u = tl.log2(xf) * slope + off
+        u = tl.where(u > 0.0, u, 0.0)  # also NaN (a negative int gap, |INT_MIN|) and -inf (x = 0)
+        c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
+        t = tl.load(TSP + 3 + c)  # TSP[3 + NB] is NaN: never reached
+        bk = c + (xf >= t).to(tl.int32)
+        if tsn.dtype != tl.float32:
+            tie = xf == t
+            if tsn.dtype != tl.float64:
+                tie = tie & (xf >= 16777216.0)  # below 2**24 integers are exact in fp32: a tie is equality
+            if tl.max(tl.max(tie.to(tl.int32), axis=1), axis=0) > 0:
+                bk = _bucket_search(tl.abs(tsj - tsn), TSB, NB, TS_STEPS)  # (tsj - tsn: not CSE'd with xf's)
     else:
-        if (fits != 0.0) & (small != 0):
-            rn = (tsn - base).to(tl.float32)
-            rj = (tsj - base).to(tl.float32)
-            bk = _bucket_guess(tl.abs(rn - rj), TSP, NB, slope, off)
-            if has_pad:  # only the tiles holding that row (a uniform branch: registers elsewhere)
-                bk_pad = _bucket_search(tl.abs(tsj), TSB, NB, TS_STEPS)  # |0 - ts(j)|, per column
-                bk = tl.where(pad_row, bk_pad, bk)
-        else:
-            bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
+        bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
     return bk
 
 
 @triton.jit
-def _bias(RB, rows, cols, n, row0, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
           TS_STEPS: tl.constexpr):
     """(bias, bucket) on a tile, fp32, zero outside the sequence: the dense rab plus the table bias
     ``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]`` (docs/semantics.md). ``rows`` (i) and ``cols``
     (j) are broadcastable position vectors. The bucket tile (int32, 0 without HAS_TS) feeds d ts_w."""
-    RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN, TSB, TSP, slope, off, fits, base, small = RB
+    RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN, TSB, TSP, slope, off, fits = RB
     inside = (rows < n) & (cols < n)
     bk = 0
     if HAS_RAB:
@@ -257,20 +229,18 @@ def _bias(RB, rows, cols, n, row0, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr,
         tsn = tl.load(TS_b + nx, mask=nx < n, other=0)
         tsj = tl.load(TS_b + cols, mask=cols < n, other=0)
         # the difference in the timestamps' dtype (as the reference), bucketed by thresholds
-        # rows [row0, row0 + rows.numel) hold the padding row n - 1 of a sequence shorter than N
-        has_pad = (n < MAXN) & (row0 <= n - 1) & (n - 1 < row0 + rows.numel)
-        bk = _time_bucket(tsn, tsj, nx >= n, has_pad, TSB, TSP, NB, slope, off, fits, base, small, TS_STEPS)
+        bk = _time_bucket(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS)
         x += tl.load(TSW + bk, mask=inside, other=0.0).to(tl.float32)
     return x, bk
 
 
 @triton.jit
-def _pre_silu(s, alpha, RB, rows, cols, n, row0, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+def _pre_silu(s, alpha, RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
               TS_STEPS: tl.constexpr):
     """(x, a, bucket) with silu(a * x) the score: (s, alpha, 0) without a bias (today's code unchanged),
     else (alpha * s + bias, 1, bucket)."""
     if HAS_RAB or HAS_POS or HAS_TS:
-        x, bk = _bias(RB, rows, cols, n, row0, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
+        x, bk = _bias(RB, rows, cols, n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
         return s * alpha + x, 1.0, bk
     else:
         return s, alpha, 0
@@ -610,7 +580,7 @@ def _store_rows(dst, r0, x, n, D, stride_m, stride_d, TMA: tl.constexpr, BLOCK: 
 
 @triton.jit
 def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
-               n, M, c, w, f, alpha, DQ, DV, RB, row0, x0, x1, x2,
+               n, M, c, w, f, alpha, DQ, DV, RB, x0, x1, x2,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -623,7 +593,7 @@ def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
         k = _load_rows(K_src, start_n, n, DQ, stride_km, stride_kd, MASKED, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, row0, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
         if FAST == 2:
             p = _silu_packed((s * (0.5 * a)).to(v.dtype))
         else:
@@ -697,18 +667,18 @@ def _hstu_fwd_kernel(
         q = (q.to(tl.float32) * one).to(q.dtype)
 
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        TSB, TSP, n, HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_IV:  # intervals replace the HSTU mask: every visited tile is masked, invisible tiles skipped
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
                               stride_ir, stride_ic)
         a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos0 + r0, x0, x1, x2, True,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                          CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                          BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos0 + r0, x0, x1, x2, True,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                          CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                          BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     else:
@@ -717,15 +687,15 @@ def _hstu_fwd_kernel(
         a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
                                       HAS_TGT, HAS_WINDOW, HAS_MINFULL)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos0 + r0, pos_m, pos_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
                          EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos0 + r0, pos_m, pos_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
                          EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos0 + r0, pos_m, pos_m,
+                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
                          EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
 
@@ -768,7 +738,7 @@ def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm,
         do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
     s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
     dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-    s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], n, start_m, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
+    s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
     if FAST == 2:
         p16, ds16 = _silu_bwd_packed((s_t * (0.5 * a)).to(q.dtype), dp_t.to(q.dtype))
     else:
@@ -926,7 +896,7 @@ def _hstu_bwd_dkdv_kernel(
     if HAS_IV:
         IV_h = IV + h.to(tl.int64) * stride_ih + start * stride_ir
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        TSB, TSP, n, HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS)
     GB = (DRAB_b, stride_gi, stride_gj, DPOS_s, DTS_s, gsc, MAX_N)
     dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -983,7 +953,7 @@ def _hstu_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
-                  n, M, c, w, f, alpha, DQ, DV, RB, row0, x0, x1, x2,
+                  n, M, c, w, f, alpha, DQ, DV, RB, x0, x1, x2,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                   PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -997,7 +967,7 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, row0, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
         if FAST == 2:
             _, ds = _silu_bwd_packed((s * (0.5 * a)).to(k.dtype), dp.to(k.dtype))
         else:
@@ -1060,18 +1030,18 @@ def _hstu_bwd_dq_kernel(
             do = (do.to(tl.float32) * one).to(q.dtype)
 
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        TSB, TSP, n, HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS)
     dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32)
     if HAS_IV:  # as in the forward kernel
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
                               stride_ir, stride_ic)
         a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, r0, x0, x1, x2, True,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                            CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                            BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, r0, x0, x1, x2, True,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
                            CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                            BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     else:
@@ -1079,15 +1049,15 @@ def _hstu_bwd_dq_kernel(
         a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
                                       HAS_TGT, HAS_WINDOW, HAS_MINFULL)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, r0, offs_r, offs_r,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
                            EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, r0, offs_r, offs_r,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
                            EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, r0, offs_r, offs_r,
+                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
                            EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     if SCALE_MODE == 0:
@@ -1687,6 +1657,9 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     iv_args = _iv_args(intervals, H, L)
     tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds)
     table_grad = bool(table_grad) and bool(tab_flags)
+    if rab_grad or (table_grad and pos_w is not None):
+        # d rab / d pos_w addresses follow the query block, whose range comes from num_targets (address_source)
+        num_targets = address_source(num_targets)
     dk = _new((L, H, Dq), k.dtype, k.device)
     dv = _new((L, H, Dv), v.dtype, v.device)
     # d rab, scaled in the kernel (docs/kernels.md). No broadcast dim: every (b, h, i, j) has one writer,

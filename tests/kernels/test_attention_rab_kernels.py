@@ -54,13 +54,15 @@ def _random_intervals(lengths, heads, seed, device=DEV):
 
 
 def _check(q, k, v, dout, off, n, alpha, *, rab=None, intervals=None, tma=False, deterministic=True,
-           tol=None, ref_inputs=None, tables=None, **kw):
+           tol=None, ref_inputs=None, tables=None, ts_bounds=None, **kw):
     """Kernel fwd + bwd (incl. d rab, d pos_w, d ts_w) against autograd through the fp64 reference.
     ``tables``: (timestamps, pos_w or None, ts_w or None), the reference bias ``relative_bias``."""
     tol = tol or TOL[q.dtype]
     tkw = {}
     if tables is not None:
         tkw = dict(timestamps=tables[0] if tables[2] is not None else None, pos_w=tables[1], ts_w=tables[2])
+        if ts_bounds is not None:
+            tkw["ts_bounds"] = ts_bounds
     out = K.hstu_attention_fwd(q, k, v, off, n, alpha, tma=tma, rab=rab, intervals=intervals, **tkw, **kw)
     got = K.hstu_attention_bwd(dout, q, k, v, off, n, alpha, tma=tma, deterministic=deterministic, rab=rab,
                                intervals=intervals, rab_grad=rab is not None, table_grad=tables is not None,
@@ -74,7 +76,7 @@ def _check(q, k, v, dout, off, n, alpha, *, rab=None, intervals=None, tma=False,
     dtypes += [rab.dtype] if rab is not None else []
     if tables is not None:
         tabs = [None if t is None else t.detach().double().requires_grad_() for t in tables[1:]]
-        tb = relative_bias(tables[0], off, n, *tabs)
+        tb = relative_bias(tables[0], off, n, *tabs, ts_bounds=ts_bounds)
         bias = tb if bias is None else bias + tb
         for name, t, t64 in zip(("dpos", "dts"), tables[1:], tabs):
             if t is not None:
@@ -337,25 +339,21 @@ from hstu_inductor.reference.rab import buckets_from_bounds, time_bucket_bounds 
 
 
 @triton.jit
-def _bucket_probe(TSN, TSJ, PAD, OUT, TSB, TSP, NB, base, small, has_pad, rows, cols, R: tl.constexpr,
-                  C: tl.constexpr, TS_STEPS: tl.constexpr):
+def _bucket_probe(TSN, TSJ, OUT, TSB, TSP, NB, rows, cols, R: tl.constexpr, C: tl.constexpr,
+                  TS_STEPS: tl.constexpr):
     r = tl.arange(0, R)
     c = tl.arange(0, C)
     tsn = tl.load(TSN + r, mask=r < rows, other=0)[:, None]
     tsj = tl.load(TSJ + c, mask=c < cols, other=0)[None, :]
-    pad = tl.load(PAD + r, mask=r < rows, other=0)[:, None] != 0
-    bk = K._time_bucket(tsn, tsj, pad, has_pad != 0, TSB, TSP, NB, tl.load(TSP), tl.load(TSP + 1), tl.load(TSP + 2),
-                        base, small, TS_STEPS)
+    bk = K._time_bucket(tsn, tsj, TSB, TSP, NB, tl.load(TSP), tl.load(TSP + 1), tl.load(TSP + 2), TS_STEPS)
     tl.store(OUT + r[:, None] * cols + c[None, :], bk, mask=(r[:, None] < rows) & (c[None, :] < cols))
 
 
-def _probe(tsn, tsj, pad, bounds, nb, small):
-    """Run _time_bucket on the tile (tsn - tsj) (pad rows compare with 0); base = the least timestamp."""
+def _probe(tsn, tsj, bounds, nb):
+    """Run _time_bucket on the tile |tsn - tsj|."""
     tsb, tsp = K._ts_bounds_and_plan(bounds, nb, tsn.dtype, tsn.device)
     out = torch.full((tsn.numel(), tsj.numel()), -1, dtype=torch.int32)
-    base = int(min(tsn[~pad].min(), tsj.min())) if not tsn.is_floating_point() else 0
-    _bucket_probe[(1,)](tsn, tsj, pad.to(torch.int32), out, tsb, tsp, nb, base, int(small), int(bool(pad.any())),
-                        tsn.numel(), tsj.numel(), triton.next_power_of_2(tsn.numel()),
+    _bucket_probe[(1,)](tsn, tsj, out, tsb, tsp, nb, tsn.numel(), tsj.numel(), triton.next_power_of_2(tsn.numel()),
                         triton.next_power_of_2(tsj.numel()), int(nb).bit_length())
     return out, tsp
 
@@ -391,9 +389,9 @@ BUCKET_CASES = {  # timestamp dtype, num_buckets, bucket function (None: the def
 @SMALL
 @pytest.mark.parametrize("case", list(BUCKET_CASES))
 def test_time_bucket_exact_at_thresholds(case):
-    """_time_bucket == buckets_from_bounds exactly, for gaps at / next to every threshold, both signs, on the
-    fast path (gaps within 2**24 of the least timestamp), the native path (wider), and the padding row
-    (compared with timestamp 0); thresholds of the default bucket, of a user fp32-log bucket (82 of 128 differ),
+    """_time_bucket == buckets_from_bounds exactly, for gaps at / next to every threshold, both signs: gaps below
+    2**23 (the fp32 path alone) and all of them (integer gaps equal to a threshold above 2**24 tie in fp32: the
+    tile's native fallback), and a padding row (timestamp 0); thresholds of the default bucket, of a user fp32-log bucket (82 of 128 differ),
     of a linear bucket (the log guess does not fit: binary search) and of an fp32-valued user bucket."""
     dtype, nb, fn = BUCKET_CASES[case]
     g = torch.Generator().manual_seed(sum(map(ord, case)))
@@ -420,11 +418,68 @@ def test_time_bucket_exact_at_thresholds(case):
         pad = torch.zeros(tsn.numel(), dtype=torch.bool)
         pad[torch.randint(0, tsn.numel(), (1,), generator=g)] = True
         tsn[pad] = 0  # as the kernel loads it (padding has timestamp 0)
-        small = (not dtype.is_floating_point) and lo_span
-        if small:
-            real = torch.cat([tsn[~pad], tsj])
-            assert int(real.max()) - int(real.min()) < 2 ** 24
-        got, tsp = _probe(tsn, tsj, pad, bounds, nb, small)
+        got, tsp = _probe(tsn, tsj, bounds, nb)
         plan_fits = float(tsp[2])
         assert torch.equal(got, _expected(tsn, tsj, pad, bounds)), case
     assert plan_fits == (0.0 if fn == "linear" else 1.0)
+
+
+def _bounded_tables(lengths, n, nb, ts_dtype, span, seed, device=DEV):
+    """(timestamps, pos_w, ts_w): increasing timestamps (a few shuffled, some repeats) whose gaps reach every
+    bucket of a log bucketisation; ``span`` "small": each sequence within 2**24 of its least timestamp (the
+    kernels' fp32 path), "wide": epoch-like values and gaps up to 1e12 (the native path)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for length in lengths:
+        top = 5 if span == "small" else 12
+        gaps = (10 ** (torch.rand(length, generator=g, dtype=torch.float64) * top)).floor()
+        gaps[torch.rand(length, generator=g) < 0.15] = 0
+        t = gaps.cumsum(0) + (1.7e12 if span == "wide" else 3e5)
+        if length > 3:
+            t[:3] = t[torch.randperm(3, generator=g)]
+        parts.append(t)
+    ts = torch.cat(parts).to(ts_dtype).to(device)
+    return ts, torch.randn(2 * n - 1, generator=g).to(device), torch.randn(nb + 1, generator=g).to(device)
+
+
+def _user_bounds(nb, dtype, kind):
+    fn = {"default": None, "user": _user_fp32_log(nb), "linear": lambda d: (d.abs() // 4099).clamp(0, nb)}[kind]
+    return time_bucket_bounds(nb, dtype, fn)
+
+
+BOUNDED_CASES = {  # timestamp dtype, span, thresholds, num_buckets
+    "int64_small_user": (torch.int64, "small", "user", 128), "int64_wide_user": (torch.int64, "wide", "user", 128),
+    "int32_small_linear": (torch.int32, "small", "linear", 24), "fp64_default": (torch.float64, "small", "default", 40),
+    "fp32_user": (torch.float32, "small", "default", 40),
+}
+
+
+@SMALL
+@pytest.mark.parametrize("case", list(BOUNDED_CASES))
+def test_table_bias_ts_bounds(case, poison):
+    """(b) with explicit thresholds (a user's fp32-log bucket, a linear one that takes the binary search, the
+    default) through both kernel paths (sequences within 2**24 of their least timestamp, and wider), fwd and
+    all gradients against relative_bias(..., ts_bounds) + the fp64 reference."""
+    ts_dtype, span, kind, nb = BOUNDED_CASES[case]
+    seed = sum(map(ord, case))
+    q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=seed)
+    tables = _bounded_tables(LENGTHS, N, nb, ts_dtype, span, seed=seed + 1)
+    bounds = _user_bounds(nb, ts_dtype, kind).to(DEV)
+    _check(q, k, v, dout, off, N, 0.25, tables=tables, ts_bounds=bounds, num_targets=torch.tensor([2, 0, 1, 3]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("span", ["small", "wide"])
+@pytest.mark.parametrize("kind", ["default", "user", "linear"])
+def test_gpu_tables_ts_bounds(span, kind, poison, monkeypatch):
+    """(b) on the GPU, bf16, int64 timestamps, 128 buckets: default thresholds (ts_bounds=None), a user's
+    fp32-log bucket and a linear one, fp32 fast path and native path, both backward algorithms."""
+    n, H, D, nb = 512, 2, 128, 128
+    q, k, v, dout, off, nt = _gpu_batch(False, 8, n, H, D, torch.bfloat16, seed=7)
+    lengths = (off[1:] - off[:-1]).tolist()
+    tables = _bounded_tables(lengths, n, nb, torch.int64, span, seed=8)
+    bounds = None if kind == "default" else _user_bounds(nb, torch.int64, kind).to(DEV)
+    for algo in ("split", "atomic"):
+        monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
+        _check(q, k, v, dout, off, n, 1.0 / D, tables=tables, ts_bounds=bounds, deterministic=algo == "split",
+               num_targets=nt.to(DEV), max_attn_len=100, contextual_seq_len=5)
