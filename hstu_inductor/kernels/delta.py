@@ -77,7 +77,7 @@ def _hstu_delta_kernel(
     q = tl.where((pos_m >= 0)[:, None], q, tl.zeros_like(q))  # rows before a short sequence's start
     K_src = K + start * stride_km + h * stride_kh
     V_src = V + start * stride_vm + h * stride_vh
-    RB = A._bias_operands(None, None, None, None, 0, MAX_N, b, h, start, 0, 0, 0, 0, False, False, False)
+    RB = A._bias_operands(None, None, None, None, 0, MAX_N, b, h, start, 0, 0, 0, 0, None, None, False, False, False)
 
     m_first = tl.maximum(pos0 + r0, 0)
     m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
@@ -94,15 +94,15 @@ def _hstu_delta_kernel(
     acc = A._fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                        tl.maximum(a, lo), tl.minimum(fs, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
                        pos_m, pos_m, pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, False, FAST, PREC,
-                       EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False)
+                       EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
     acc = A._fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                        tl.maximum(fs, lo), tl.minimum(fe, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
                        pos_m, pos_m, pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, False, FAST, PREC,
-                       EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False)
+                       EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
     acc = A._fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                        tl.maximum(fe, lo), tl.minimum(e, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
                        pos_m, pos_m, pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, False, FAST, PREC,
-                       EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False)
+                       EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
 
     if SCALE_MODE == 0:
         acc = acc * scale_const
