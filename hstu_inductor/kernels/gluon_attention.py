@@ -1,0 +1,379 @@
+"""Warp-specialised Hopper (sm90) forward of jagged HSTU attention, written in Gluon (issue 22, item 1).
+
+Math (HSTU_SEMANTICS.md): ``out_i = (1/N) * sum_j valid(i, j) * silu(alpha * <q_i, k_j>) * v_j`` per head,
+causal, optionally with targets (a target row sees every history row and itself). The same function as
+``attention._hstu_fwd_kernel`` with CAUSAL=True, HAS_TGT=num_targets is not None, no window/contextual/rab/
+intervals, SCALE_MODE=0 (scale 1/max_seq_len), D = Dq = Dv = 128, 16-bit inputs.
+
+Design (FA3's, as in NVIDIA's CUTLASS HSTU kernel): one CTA per (sequence, head, 128 query rows), three
+partitions of ``gl.warp_specialize``:
+
+* producer (1 warp): TMA loads of the CTA's two 64-row Q tiles, then of the K and V tiles of every visible key
+  block into a ring of ``STAGES`` shared-memory slots (separate K and V rings, each slot guarded by a
+  ``ready`` and an ``empty`` mbarrier);
+* two consumer warpgroups (the default partition and a 4-warp worker), each owning 64 query rows:
+  ``S = Q K^T`` by wgmma (Q and K from shared memory), ``P = silu(alpha S)`` in fp32 (tanh.approx form, the
+  Triton kernel's ``_silu(FAST=1)``), the causal/target mask only on the tiles that need it, then
+  ``O += P V`` by wgmma with P in registers. Within a warpgroup the P V product of tile t-1 stays in
+  flight while the silu of tile t runs (issue S_t, then PV_{t-1}, wait for S_t only); across warpgroups a
+  pair of "turn" mbarriers orders the GEMM issue (ping-pong), so one warpgroup's silu overlaps the
+  other's tensor-core work.
+
+Memory: descriptors on the ``[L, H*D]`` 2-D views of q/k/v (block ``[rows, 128]`` at column ``h*D``), so
+loads past a sequence's end read the next sequence's rows (or zeros past L): those key columns are masked
+(``j < n``) and those query rows are never stored. The output is written with a row-masked store
+(through the Q tile's shared memory, reused for the epilogue).
+
+Block skipping is ``attention._fwd_key_range`` for this mask: key tiles [0, fe) are visible to every row of a
+warpgroup (no mask), tiles [fe, e) are masked, tiles past e are skipped (e = ceil((last row + 1) / BLOCK_N),
+fe = floor(min(first row, M) / BLOCK_N), M = n - targets).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .common import new_tensor
+
+__all__ = ["gluon_forward", "gluon_supported", "GLUON_CONFIG"]
+
+# Tunables (tests and benchmarks override them through gluon_forward(config=...)).
+GLUON_CONFIG = dict(
+    BLOCK_M=64,        # query rows per consumer warpgroup (the CTA covers 2 * BLOCK_M)
+    BLOCK_N=128,       # keys per tile
+    STAGES=2,          # depth of the K and V rings
+    PINGPONG=True,     # order the two warpgroups' GEMM issue with the turn barriers
+    CONSUMER_REGS=240,  # setmaxnreg of the worker consumer warpgroup (the default one gets the rest)
+    PRODUCER_REGS=24,
+    MAXNREG=168,       # per-thread register cap of the launch: 65536 / (12 warps * 32) rounded down to 8
+)
+
+
+@gluon.jit
+def _tanh_approx(x):
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _silu_half(s, half_alpha):
+    """silu(alpha s) = hx + hx tanh(hx), hx = alpha s / 2 (one MUFU op per element)."""
+    hx = s * half_alpha
+    return hx + hx * _tanh_approx(hx)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+              start, r0, col, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # the two warpgroups' Q tiles on one barrier
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [start + r0, col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [start + r0 + BLOCK_M, col], q_bar, q_smem.index(1))
+    for t in range(n_tiles):
+        s = t % STAGES
+        ph = (t // STAGES) & 1
+        row = start + t * BLOCK_N
+        # empty barriers start "phase 1 complete": the first pass through the ring does not wait
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+              O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
+              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    q = q_smem.index(WG)
+    m0 = r0 + WG * BLOCK_M  # first query row (position in the sequence) of this warpgroup
+    rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    if HAS_TGT:
+        pi_rows = gl.minimum(rows, M)
+        P0 = gl.minimum(m0, M)
+    else:
+        pi_rows = rows
+        P0 = m0
+    # tiles [0, fe) are visible to every row of this warpgroup (keys with id < its first row's id)
+    fe = gl.minimum(P0 // BLOCK_N, n_tiles)
+    cols0 = gl.arange(0, BLOCK_N, layout=col_layout)
+
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    turn_me = turn.index(WG)
+    turn_other = turn.index(1 - WG)
+    tph = 1 - WG  # warpgroup 0 issues first: its turn barrier counts as complete at the start
+
+    mbarrier.wait(q_bar, 0)
+
+    # ---- prologue: S_0, P_0
+    mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(turn_me, tph)
+    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn_other, count=1)
+        tph ^= 1
+    s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
+    gl.thread_barrier()  # every warp of the warpgroup is done reading K_0
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p = _silu_half(s_acc, half_alpha)
+    if fe <= 0:
+        cols = cols0
+        if HAS_TGT:
+            pi_cols = gl.minimum(cols, M)
+        else:
+            pi_cols = cols
+        ok = ((rows[:, None] == cols[None, :]) | (pi_rows[:, None] > pi_cols[None, :])) & (cols[None, :] < n)
+        p = gl.where(ok, p, 0.0)
+    p16 = gl.convert_layout(p.to(dtype), p_layout)
+
+    # ---- steady state: issue S_t and PV_{t-1}, wait for S_t, silu(S_t) under PV_{t-1}
+    for t in range(1, n_tiles):
+        s = t % STAGES
+        ph = (t // STAGES) & 1
+        sp = (t - 1) % STAGES
+        php = ((t - 1) // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), ph)
+        mbarrier.wait(v_ready.index(sp), php)
+        if PINGPONG:
+            mbarrier.wait(turn_me, tph)
+        s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p16, v_smem.index(sp), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_other, count=1)
+            tph ^= 1
+        # wgmma groups retire in order: one outstanding = S_t done, PV_{t-1} still running
+        s_acc = warpgroup_mma_wait(1, deps=(s_tok, ))
+        gl.thread_barrier()
+        mbarrier.arrive(k_empty.index(s), count=1)
+        p = _silu_half(s_acc, half_alpha)
+        if t >= fe:
+            cols = t * BLOCK_N + cols0
+            if HAS_TGT:
+                pi_cols = gl.minimum(cols, M)
+            else:
+                pi_cols = cols
+            ok = ((rows[:, None] == cols[None, :]) | (pi_rows[:, None] > pi_cols[None, :])) & (cols[None, :] < n)
+            p = gl.where(ok, p, 0.0)
+        p_next = gl.convert_layout(p.to(dtype), p_layout)
+        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+        gl.thread_barrier()
+        mbarrier.arrive(v_empty.index(sp), count=1)
+        p16 = p_next
+
+    # ---- epilogue: PV_{T-1}
+    sl = (n_tiles - 1) % STAGES
+    phl = ((n_tiles - 1) // STAGES) & 1
+    mbarrier.wait(v_ready.index(sl), phl)
+    acc = warpgroup_mma(p16, v_smem.index(sl), acc, is_async=True)
+    acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+
+    # ---- store rows m0 .. min(m0 + BLOCK_M, n) - 1 through this warpgroup's Q tile in shared memory
+    out = (acc * scale).to(dtype)
+    gl.thread_barrier()  # every warp's wgmma reads of Q are complete
+    q.store(out)
+    if m0 + BLOCK_M <= n:  # a whole tile inside the sequence: one TMA store
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(o_desc, [start + m0, col], q)
+        tma.store_wait(0)
+    else:  # the sequence's last rows: row-masked 16-byte stores
+        gl.thread_barrier()
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        vals = q.load(st_layout)
+        r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
+        # out is our own contiguous [L, H, D]: row offsets are multiples of H * D, col = h * D
+        row_off = gl.multiple_of((start + r).to(gl.int64) * stride_om + col, 16)
+        gl.store(O + (row_off[:, None] + c[None, :]), vals, mask=(r < n)[:, None])
+
+
+@gluon.jit
+def _consumer_worker(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                     O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                     STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+              O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
+              1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)
+
+
+@gluon.jit
+def _consumer_default(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                      O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                      STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+              O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
+              0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)
+
+
+@gluon.jit
+def _hstu_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARGETS,
+                        stride_om, H, ROWS, MAX_N, half_alpha, scale,
+                        HAS_TGT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    CTA_M: gl.constexpr = 2 * BLOCK_M
+
+    # (sequence, head, row block), the row blocks of one (sequence, head) adjacent (they share K/V in L2),
+    # the last (heaviest under the causal mask) first
+    pid = gl.program_id(0)
+    n_blocks = (MAX_N + CTA_M - 1) // CTA_M
+    bh = pid // n_blocks
+    blk = n_blocks - 1 - pid % n_blocks
+    b = bh // H
+    h = bh % H
+    start = gl.load(SEQ_OFFSETS + b).to(gl.int32)
+    end = gl.load(SEQ_OFFSETS + b + 1).to(gl.int32)
+    start = gl.minimum(gl.maximum(start, 0), ROWS)
+    end = gl.minimum(gl.maximum(end, start), ROWS)
+    n = gl.minimum(end - start, MAX_N)
+    r0 = blk * CTA_M
+    if r0 < n:
+        if HAS_TGT:
+            M = n - gl.minimum(gl.maximum(gl.load(NUM_TARGETS + b).to(gl.int32), 0), n)
+        else:
+            M = n
+        m_last = gl.minimum(r0 + CTA_M, n) - 1
+        n_tiles = (m_last + BLOCK_N) // BLOCK_N  # causal: keys j <= m_last
+        col = h * D
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        fence_async_shared()
+
+        # (tuples inline: a tuple assigned to a variable turns its constexprs into tensors)
+        gl.warp_specialize([
+            (_consumer_default, (o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                                 O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
+                                 BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)),
+            (_consumer_worker, (o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                                O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
+                                BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         start, r0, col, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def gluon_supported(device=None) -> bool:
+    """An sm90 (Hopper) CUDA device: the kernel uses wgmma, TMA and setmaxnreg."""
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return False
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
+
+
+def _desc_2d(t: torch.Tensor, block_rows: int, layout):
+    """TMA descriptor on the [L, H*D] 2-D view of a [L, H, D] tensor with unit stride on D and heads adjacent."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    L, H, D = t.shape
+    rows = max(L, 1)
+    return TensorDescriptor(t, [rows, H * D], [t.stride(0), 1], [block_rows, D], layout)
+
+
+def _check(q, k, v, seq_offsets, num_targets, kwargs):
+    unsupported = {k_: v_ for k_, v_ in kwargs.items() if v_ not in (None, 0, True)}
+    if unsupported:
+        raise NotImplementedError(f"gluon_forward: unsupported options {sorted(unsupported)}")
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise NotImplementedError("gluon_forward: q, k, v must be [L, H, D] of one shape (Dq = Dv)")
+    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise NotImplementedError(f"gluon_forward: bf16/fp16 only, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[2] != 128:
+        raise NotImplementedError(f"gluon_forward: D = 128 only, got {q.shape[2]}")
+    if seq_offsets.dim() != 1 or seq_offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError("gluon_forward: seq_offsets must be a 1-D int32/int64 tensor")
+    es = q.element_size()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise NotImplementedError(f"gluon_forward: {name} needs unit stride on D and heads adjacent "
+                                      f"(stride(1) == D); got strides {tuple(t.stride())}")
+        if t.data_ptr() % 16 or (t.stride(0) * es) % 16:
+            raise NotImplementedError(f"gluon_forward: {name} needs a 16-byte aligned base and row stride (TMA)")
+    if num_targets is not None and num_targets.shape[0] != seq_offsets.shape[0] - 1:
+        raise ValueError("gluon_forward: num_targets must have one entry per sequence")
+
+
+def gluon_forward(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targets=None, *, config=None,
+                  attn_scale=None, max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True,
+                  rab=None, intervals=None):
+    """HSTU attention forward ``[L, H, 128] -> [L, H, 128]`` (causal, optional targets, scale 1/max_seq_len)."""
+    _check(q, k, v, seq_offsets, num_targets,
+           dict(attn_scale=attn_scale, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
+                min_full_attn_seq_len=min_full_attn_seq_len, rab=rab, intervals=intervals))
+    if not causal:
+        raise NotImplementedError("gluon_forward: causal=False")
+    cfg = {**GLUON_CONFIG, **(config or {})}
+    L, H, D = q.shape
+    B = seq_offsets.shape[0] - 1
+    out = new_tensor((L, H, D), q.dtype, q.device)
+    if L == 0 or B <= 0 or max_seq_len <= 0:
+        return out.zero_()
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    gdt = _GL_DTYPES[q.dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([BM, D], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BN, D], gdt)
+    q_desc = _desc_2d(q, BM, q_layout)
+    k_desc = _desc_2d(k, BN, kv_layout)
+    v_desc = _desc_2d(v, BN, kv_layout)
+    n_blocks = triton.cdiv(max_seq_len, 2 * BM)
+    grid = (B * H * n_blocks, )
+    tgt = num_targets if num_targets is not None else seq_offsets
+    o_desc = _desc_2d(out, BM, q_layout)
+    _hstu_fwd_ws_kernel[grid](
+        q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt,
+        out.stride(0), H, L, max_seq_len, 0.5 * float(alpha), 1.0 / max_seq_len,
+        HAS_TGT=num_targets is not None, BLOCK_M=BM, BLOCK_N=BN, STAGES=cfg["STAGES"],
+        PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
+        num_warps=4, maxnreg=cfg["MAXNREG"])
+    return out
