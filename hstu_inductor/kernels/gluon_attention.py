@@ -95,22 +95,32 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
 
 
 @gluon.jit
-def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-              O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
-              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
-    dtype: gl.constexpr = q_smem.dtype
+def _mask_tile(p, t, rows, pi_rows, cols0, n, M, BLOCK_N: gl.constexpr, HAS_TGT: gl.constexpr):
+    """valid(i, j) on one [rows, BLOCK_N] tile of key block t: j < n and (i == j or pi(i) > pi(j))."""
+    cols = t * BLOCK_N + cols0
+    if HAS_TGT:
+        pi_cols = gl.minimum(cols, M)
+    else:
+        pi_cols = cols
+    ok = ((rows[:, None] == cols[None, :]) | (pi_rows[:, None] > pi_cols[None, :])) & (cols[None, :] < n)
+    return gl.where(ok, p, 0.0)
+
+
+@gluon.jit
+def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn_other, q_release,
+            c0, tph, m0, n, M, n_tiles, half_alpha,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+            HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr):
+    """One warpgroup's query rows [m0, m0 + BLOCK_M) against key tiles 0 .. n_tiles - 1 (n_tiles >= 1), which
+    occupy ring slots c0, c0 + 1, ... Returns the unscaled fp32 accumulator and the turn-barrier parity."""
+    dtype: gl.constexpr = q.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-
-    q = q_smem.index(WG)
-    m0 = r0 + WG * BLOCK_M  # first query row (position in the sequence) of this warpgroup
-    rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     if HAS_TGT:
         pi_rows = gl.minimum(rows, M)
         P0 = gl.minimum(m0, M)
@@ -119,46 +129,33 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, 
         P0 = m0
     # tiles [0, fe) are visible to every row of this warpgroup (keys with id < its first row's id)
     fe = gl.minimum(P0 // BLOCK_N, n_tiles)
-    cols0 = gl.arange(0, BLOCK_N, layout=col_layout)
-
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    turn_me = turn.index(WG)
-    turn_other = turn.index(1 - WG)
-    tph = 1 - WG  # warpgroup 0 issues first: its turn barrier counts as complete at the start
-
-    mbarrier.wait(q_bar, 0)
 
     # ---- prologue: S_0, P_0
-    mbarrier.wait(k_ready.index(0), 0)
+    s = c0 % STAGES
+    mbarrier.wait(k_ready.index(s), (c0 // STAGES) & 1)
     if PINGPONG:
         mbarrier.wait(turn_me, tph)
-    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn_other, count=1)
         tph ^= 1
     s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
     gl.thread_barrier()  # every warp of the warpgroup is done reading K_0
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(s), count=1)
     p = _silu_half(s_acc, half_alpha)
     if fe <= 0:
-        cols = cols0
-        if HAS_TGT:
-            pi_cols = gl.minimum(cols, M)
-        else:
-            pi_cols = cols
-        ok = ((rows[:, None] == cols[None, :]) | (pi_rows[:, None] > pi_cols[None, :])) & (cols[None, :] < n)
-        p = gl.where(ok, p, 0.0)
+        p = _mask_tile(p, 0, rows, pi_rows, cols0, n, M, BLOCK_N, HAS_TGT)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
 
     # ---- steady state: issue S_t and PV_{t-1}, wait for S_t, silu(S_t) under PV_{t-1}
     for t in range(1, n_tiles):
-        s = t % STAGES
-        ph = (t // STAGES) & 1
-        sp = (t - 1) % STAGES
-        php = ((t - 1) // STAGES) & 1
-        mbarrier.wait(k_ready.index(s), ph)
-        mbarrier.wait(v_ready.index(sp), php)
+        c = c0 + t
+        s = c % STAGES
+        sp = (c - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (c // STAGES) & 1)
+        mbarrier.wait(v_ready.index(sp), ((c - 1) // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn_me, tph)
         s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -172,44 +169,62 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, 
         mbarrier.arrive(k_empty.index(s), count=1)
         p = _silu_half(s_acc, half_alpha)
         if t >= fe:
-            cols = t * BLOCK_N + cols0
-            if HAS_TGT:
-                pi_cols = gl.minimum(cols, M)
-            else:
-                pi_cols = cols
-            ok = ((rows[:, None] == cols[None, :]) | (pi_rows[:, None] > pi_cols[None, :])) & (cols[None, :] < n)
-            p = gl.where(ok, p, 0.0)
+            p = _mask_tile(p, t, rows, pi_rows, cols0, n, M, BLOCK_N, HAS_TGT)
         p_next = gl.convert_layout(p.to(dtype), p_layout)
         acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
         gl.thread_barrier()
         mbarrier.arrive(v_empty.index(sp), count=1)
         p16 = p_next
+    if RELEASE_Q:  # every S of this item is complete (and the warps synchronised after it): Q can be refilled
+        mbarrier.arrive(q_release, count=1)
 
-    # ---- epilogue: PV_{T-1}
-    sl = (n_tiles - 1) % STAGES
-    phl = ((n_tiles - 1) // STAGES) & 1
-    mbarrier.wait(v_ready.index(sl), phl)
+    # ---- last P V
+    c = c0 + n_tiles - 1
+    sl = c % STAGES
+    mbarrier.wait(v_ready.index(sl), (c // STAGES) & 1)
     acc = warpgroup_mma(p16, v_smem.index(sl), acc, is_async=True)
     acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+    gl.thread_barrier()
+    mbarrier.arrive(v_empty.index(sl), count=1)
+    return acc, tph
 
-    # ---- store rows m0 .. min(m0 + BLOCK_M, n) - 1 through this warpgroup's Q tile in shared memory
-    out = (acc * scale).to(dtype)
-    gl.thread_barrier()  # every warp's wgmma reads of Q are complete
-    q.store(out)
-    if m0 + BLOCK_M <= n:  # a whole tile inside the sequence: one TMA store
+
+@gluon.jit
+def _store_rows(out, buf, o_desc, O, stride_om, col, start, m0, n, BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """Rows [m0, min(m0 + BLOCK_M, n)) of ``out`` to the output through ``buf`` (shared memory, free on entry:
+    every warp of the warpgroup is past its last read): a TMA store for a whole tile (left in flight: wait with
+    ``tma.store_wait`` before reusing ``buf``), else 16-byte row-masked stores."""
+    buf.store(out)
+    if m0 + BLOCK_M <= n:
         fence_async_shared()
         gl.thread_barrier()
-        tma.async_copy_shared_to_global(o_desc, [start + m0, col], q)
-        tma.store_wait(0)
-    else:  # the sequence's last rows: row-masked 16-byte stores
+        tma.async_copy_shared_to_global(o_desc, [start + m0, col], buf)
+    else:
         gl.thread_barrier()
         st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        vals = q.load(st_layout)
+        vals = buf.load(st_layout)
         r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
         c = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
         # out is our own contiguous [L, H, D]: row offsets are multiples of H * D, col = h * D
         row_off = gl.multiple_of((start + r).to(gl.int64) * stride_om + col, 16)
         gl.store(O + (row_off[:, None] + c[None, :]), vals, mask=(r < n)[:, None])
+
+
+@gluon.jit
+def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+              O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
+              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+    q = q_smem.index(WG)
+    m0 = r0 + WG * BLOCK_M  # first query row (position in the sequence) of this warpgroup
+    mbarrier.wait(q_bar, 0)
+    # warpgroup 0 issues first: its turn barrier counts as complete at the start (parity 1)
+    acc, tph = _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn.index(WG), turn.index(1 - WG),
+                       q_bar, 0, 1 - WG, m0, n, M, n_tiles, half_alpha,
+                       BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, False)
+    # the Q tile (every warp's wgmma reads are complete: thread barrier at the end of _attend) holds the output
+    _store_rows((acc * scale).to(q.dtype), q, o_desc, O, stride_om, col, start, m0, n, BLOCK_M, D)
+    tma.store_wait(0)
 
 
 @gluon.jit
