@@ -25,6 +25,8 @@ VARIANTS = {
     "s3": dict(STAGES=3),
     "nopp": dict(PINGPONG=False),
     "s3_nopp": dict(STAGES=3, PINGPONG=False),
+    "pers": dict(PERSISTENT=True),
+    "pers_nopp": dict(PERSISTENT=True, PINGPONG=False),
 }
 
 
@@ -33,7 +35,7 @@ def main():
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--b", type=int, default=128)
     ap.add_argument("--h", type=int, default=4)
-    ap.add_argument("--variants", nargs="+", default=["default", "s3", "nopp"])
+    ap.add_argument("--variants", nargs="+", default=["default", "s3", "nopp", "pers"])
     ap.add_argument("--rep", type=int, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()

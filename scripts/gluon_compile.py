@@ -33,7 +33,8 @@ def compile_variant(cfg: dict, has_tgt=True, dtype="bf16"):
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     ql = gl.NVMMASharedLayout.get_default_for([BM, D], gdt)
     kl = gl.NVMMASharedLayout.get_default_for([BN, D], gdt)
-    fn = ga._hstu_fwd_ws_kernel
+    persistent = cfg.get("PERSISTENT", False)
+    fn = ga._hstu_fwd_ws_persistent_kernel if persistent else ga._hstu_fwd_ws_kernel
     sig = {
         "q_desc": f"tensordesc<{dtype}[{BM}, {D}],{ql!r}>",
         "k_desc": f"tensordesc<{dtype}[{BN}, {D}],{kl!r}>",
@@ -42,6 +43,8 @@ def compile_variant(cfg: dict, has_tgt=True, dtype="bf16"):
         "O": f"*{dtype}", "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64",
         "stride_om": "i32", "H": "i32", "ROWS": "i32", "MAX_N": "i32", "half_alpha": "fp32", "scale": "fp32",
     }
+    if persistent:
+        sig = {k: sig[k] for k in list(sig)[:11]} | {"n_items": "i32"} | {k: sig[k] for k in list(sig)[11:]}
     consts = dict(HAS_TGT=has_tgt, BLOCK_M=BM, BLOCK_N=BN, STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"],
                   CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"])
     for k in consts:

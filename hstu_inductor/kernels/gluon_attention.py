@@ -58,6 +58,7 @@ GLUON_CONFIG = dict(
     CONSUMER_REGS=240,  # setmaxnreg of the worker consumer warpgroup (the default one gets the rest)
     PRODUCER_REGS=24,
     MAXNREG=168,       # per-thread register cap of the launch: 65536 / (12 warps * 32) rounded down to 8
+    PERSISTENT=False,  # one CTA per SM walking the work items (double-buffered Q, separate O staging tile)
 )
 
 
@@ -313,6 +314,162 @@ def _hstu_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARG
 
 
 # --------------------------------------------------------------------------------------------
+# Persistent variant: one CTA per SM walks work items (sequence, head, 128-row block); the producer runs
+# ahead across items (double-buffered Q, the K/V ring continues), so the next item's loads overlap the
+# current item's last P V and epilogue.
+# --------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _item(w, n_blocks, H, SEQ_OFFSETS, NUM_TARGETS, ROWS, MAX_N, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          D: gl.constexpr, HAS_TGT: gl.constexpr):
+    """Work item w: the row blocks of one (sequence, head) adjacent, the heaviest first. Returns
+    (start, n, M, r0, n_tiles, col); the item is empty when r0 >= n."""
+    bh = w // n_blocks
+    blk = n_blocks - 1 - w % n_blocks
+    b = bh // H
+    h = bh % H
+    start = gl.load(SEQ_OFFSETS + b).to(gl.int32)
+    end = gl.load(SEQ_OFFSETS + b + 1).to(gl.int32)
+    start = gl.minimum(gl.maximum(start, 0), ROWS)
+    end = gl.minimum(gl.maximum(end, start), ROWS)
+    n = gl.minimum(end - start, MAX_N)
+    if HAS_TGT:
+        M = n - gl.minimum(gl.maximum(gl.load(NUM_TARGETS + b).to(gl.int32), 0), n)
+    else:
+        M = n
+    r0 = blk * CTA_M
+    n_tiles = (gl.minimum(r0 + CTA_M, n) - 1 + BLOCK_N) // BLOCK_N
+    return start, n, M, r0, n_tiles, h * D
+
+
+@gluon.jit
+def _p_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                HAS_TGT: gl.constexpr):
+    CTA_M: gl.constexpr = 2 * BLOCK_M
+    n_blocks = (MAX_N + CTA_M - 1) // CTA_M
+    c = 0
+    i = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        start, n, M, r0, n_tiles, col = _item(w, n_blocks, H, SEQ_OFFSETS, NUM_TARGETS, ROWS, MAX_N, CTA_M,
+                                              BLOCK_N, D, HAS_TGT)
+        if r0 < n:
+            qb = i % 2
+            mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [start + r0, col], q_ready.index(qb), q_smem.index(2 * qb))
+            tma.async_copy_global_to_shared(q_desc, [start + r0 + BLOCK_M, col], q_ready.index(qb),
+                                            q_smem.index(2 * qb + 1))
+            for t in range(n_tiles):
+                s = c % STAGES
+                ph = (c // STAGES) & 1
+                row = start + t * BLOCK_N
+                mbarrier.wait(k_empty.index(s), ph ^ 1)
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_smem.index(s))
+                mbarrier.wait(v_empty.index(s), ph ^ 1)
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_smem.index(s))
+                c += 1
+            i += 1
+
+
+@gluon.jit
+def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
+                WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+    CTA_M: gl.constexpr = 2 * BLOCK_M
+    n_blocks = (MAX_N + CTA_M - 1) // CTA_M
+    buf = o_smem.index(WG)
+    c = 0
+    i = 0
+    tph = 1 - WG  # warpgroup 0 issues first
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        start, n, M, r0, n_tiles, col = _item(w, n_blocks, H, SEQ_OFFSETS, NUM_TARGETS, ROWS, MAX_N, CTA_M,
+                                              BLOCK_N, D, HAS_TGT)
+        if r0 < n:
+            qb = i % 2
+            m0 = r0 + WG * BLOCK_M
+            mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
+            acc, tph = _attend(q_smem.index(2 * qb + WG), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                               turn.index(WG), turn.index(1 - WG), q_empty.index(qb), c, tph, m0, n, M, n_tiles,
+                               half_alpha, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, True)
+            c += n_tiles
+            i += 1
+            out = (acc * scale).to(q_smem.dtype)
+            tma.store_wait(0)  # the previous item's TMA store has read buf
+            gl.thread_barrier()
+            _store_rows(out, buf, o_desc, O, stride_om, col, start, m0, n, BLOCK_M, D)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _p_consumer_default(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
+                        scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                        STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+    _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
+                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)
+
+
+@gluon.jit
+def _p_consumer_worker(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
+                       scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                       STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+    _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
+                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)
+
+
+@gluon.jit
+def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARGETS,
+                                   stride_om, H, ROWS, MAX_N, n_items, half_alpha, scale,
+                                   HAS_TGT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    # Q: [buffer, warpgroup] double-buffered across items; O: one staging tile per warpgroup
+    q_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, D], q_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], o_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_p_consumer_default, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                               v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
+                               half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)),
+        (_p_consumer_worker, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                              v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
+                              half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)),
+        (_p_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, BLOCK_M, BLOCK_N, D, STAGES,
+                       HAS_TGT)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
 
@@ -325,6 +482,16 @@ def gluon_supported(device=None) -> bool:
         return False
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 
 
 def _desc_2d(t: torch.Tensor, block_rows: int, layout):
@@ -382,13 +549,19 @@ def gluon_forward(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targ
     k_desc = _desc_2d(k, BN, kv_layout)
     v_desc = _desc_2d(v, BN, kv_layout)
     n_blocks = triton.cdiv(max_seq_len, 2 * BM)
-    grid = (B * H * n_blocks, )
+    n_items = B * H * n_blocks
     tgt = num_targets if num_targets is not None else seq_offsets
     o_desc = _desc_2d(out, BM, q_layout)
-    _hstu_fwd_ws_kernel[grid](
-        q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt,
-        out.stride(0), H, L, max_seq_len, 0.5 * float(alpha), 1.0 / max_seq_len,
-        HAS_TGT=num_targets is not None, BLOCK_M=BM, BLOCK_N=BN, STAGES=cfg["STAGES"],
-        PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        num_warps=4, maxnreg=cfg["MAXNREG"])
+    meta = dict(HAS_TGT=num_targets is not None, BLOCK_M=BM, BLOCK_N=BN, STAGES=cfg["STAGES"],
+                  PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
+                  num_warps=4, maxnreg=cfg["MAXNREG"])
+    if cfg["PERSISTENT"]:
+        grid = (min(n_items, _num_sms(q.device)), )
+        _hstu_fwd_ws_persistent_kernel[grid](
+            q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt,
+            out.stride(0), H, L, max_seq_len, n_items, 0.5 * float(alpha), 1.0 / max_seq_len, **meta)
+    else:
+        _hstu_fwd_ws_kernel[(n_items, )](
+            q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt,
+            out.stride(0), H, L, max_seq_len, 0.5 * float(alpha), 1.0 / max_seq_len, **meta)
     return out

@@ -99,7 +99,14 @@ def test_lengths(N):
     _check(8, N, 3, torch.bfloat16, "fused", True, 0.2, _seed())
 
 
-@pytest.mark.parametrize("cfg", [dict(STAGES=2), dict(STAGES=3), dict(PINGPONG=False)], ids=["s2", "s3", "nopp"])
+@pytest.mark.parametrize("N", [129, 1000, 2048])
+def test_lengths_persistent(N):
+    """More work items than SMs: each CTA walks several items (Q double buffer and ring wrap-around)."""
+    _check(40, N, 4, torch.bfloat16, "fused", True, 0.2, _seed(), config=dict(PERSISTENT=True))
+
+
+@pytest.mark.parametrize("cfg", [dict(STAGES=2), dict(STAGES=3), dict(PINGPONG=False), dict(PERSISTENT=True),
+                                 dict(PERSISTENT=True, PINGPONG=False)], ids=["s2", "s3", "nopp", "pers", "pers_nopp"])
 def test_configs(cfg):
     _check(6, 777, 2, torch.bfloat16, "fused", True, 1.0 / 128, _seed(), config=cfg)
 
