@@ -27,6 +27,8 @@ VARIANTS = {
     "s3_nopp": dict(STAGES=3, PINGPONG=False),
     "pers": dict(PERSISTENT=True),
     "pers_nopp": dict(PERSISTENT=True, PINGPONG=False),
+    "packed": dict(PACKED=True),
+    "pers_packed": dict(PERSISTENT=True, PACKED=True),
 }
 
 

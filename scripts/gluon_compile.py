@@ -46,7 +46,7 @@ def compile_variant(cfg: dict, has_tgt=True, dtype="bf16"):
     if persistent:
         sig = {k: sig[k] for k in list(sig)[:11]} | {"n_items": "i32"} | {k: sig[k] for k in list(sig)[11:]}
     consts = dict(HAS_TGT=has_tgt, BLOCK_M=BM, BLOCK_N=BN, STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"],
-                  CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"])
+                  PACKED=cfg["PACKED"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"])
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT would specialise: 16-byte aligned pointers, row stride a multiple of 16

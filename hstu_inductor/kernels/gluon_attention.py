@@ -59,6 +59,7 @@ GLUON_CONFIG = dict(
     PRODUCER_REGS=24,
     MAXNREG=168,       # per-thread register cap of the launch: 65536 / (12 warps * 32) rounded down to 8
     PERSISTENT=False,  # one CTA per SM walking the work items (double-buffered Q, separate O staging tile)
+    PACKED=False,      # silu on packed bf16x2/f16x2 (half the MUFU ops; P rounded earlier)
 )
 
 
@@ -73,6 +74,29 @@ def _silu_half(s, half_alpha):
     """silu(alpha s) = hx + hx tanh(hx), hx = alpha s / 2 (one MUFU op per element)."""
     hx = s * half_alpha
     return hx + hx * _tanh_approx(hx)
+
+
+@gluon.jit
+def _silu_packed(hx):
+    """silu(2 hx) = hx + hx tanh(hx) on packed 16-bit pairs: one MUFU op and one FMA per 2 elements (the Triton
+    kernel's HSTU_INDUCTOR_SILU=packed)."""
+    if hx.dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; tanh.approx.bf16x2 t, $1; fma.rn.bf16x2 $0, $1, t, $1; }",
+            "=r,r", [hx], dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; tanh.approx.f16x2 t, $1; fma.rn.f16x2 $0, $1, t, $1; }",
+            "=r,r", [hx], dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _scores_to_p(s_acc, half_alpha, dtype: gl.constexpr, PACKED: gl.constexpr):
+    """silu(alpha S) in the operand dtype (fp32 math unless PACKED)."""
+    if PACKED:
+        return _silu_packed((s_acc * half_alpha).to(dtype))
+    else:
+        return _silu_half(s_acc, half_alpha).to(dtype)
 
 
 @gluon.jit
@@ -104,14 +128,14 @@ def _mask_tile(p, t, rows, pi_rows, cols0, n, M, BLOCK_N: gl.constexpr, HAS_TGT:
     else:
         pi_cols = cols
     ok = ((rows[:, None] == cols[None, :]) | (pi_rows[:, None] > pi_cols[None, :])) & (cols[None, :] < n)
-    return gl.where(ok, p, 0.0)
+    return gl.where(ok, p, gl.zeros_like(p))
 
 
 @gluon.jit
 def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn_other, q_release,
             c0, tph, m0, n, M, n_tiles, half_alpha,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-            HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr):
+            HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr, PACKED: gl.constexpr):
     """One warpgroup's query rows [m0, m0 + BLOCK_M) against key tiles 0 .. n_tiles - 1 (n_tiles >= 1), which
     occupy ring slots c0, c0 + 1, ... Returns the unscaled fp32 accumulator and the turn-barrier parity."""
     dtype: gl.constexpr = q.dtype
@@ -145,10 +169,10 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
     s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
     gl.thread_barrier()  # every warp of the warpgroup is done reading K_0
     mbarrier.arrive(k_empty.index(s), count=1)
-    p = _silu_half(s_acc, half_alpha)
+    p = _scores_to_p(s_acc, half_alpha, dtype, PACKED)
     if fe <= 0:
         p = _mask_tile(p, 0, rows, pi_rows, cols0, n, M, BLOCK_N, HAS_TGT)
-    p16 = gl.convert_layout(p.to(dtype), p_layout)
+    p16 = gl.convert_layout(p, p_layout)
 
     # ---- steady state: issue S_t and PV_{t-1}, wait for S_t, silu(S_t) under PV_{t-1}
     for t in range(1, n_tiles):
@@ -159,7 +183,8 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
         mbarrier.wait(v_ready.index(sp), ((c - 1) // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn_me, tph)
-        s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        # use_acc=False: the previous S (dead by now) only lends its registers
+        s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
         acc = warpgroup_mma(p16, v_smem.index(sp), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_other, count=1)
@@ -168,10 +193,10 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
         s_acc = warpgroup_mma_wait(1, deps=(s_tok, ))
         gl.thread_barrier()
         mbarrier.arrive(k_empty.index(s), count=1)
-        p = _silu_half(s_acc, half_alpha)
+        p = _scores_to_p(s_acc, half_alpha, dtype, PACKED)
         if t >= fe:
             p = _mask_tile(p, t, rows, pi_rows, cols0, n, M, BLOCK_N, HAS_TGT)
-        p_next = gl.convert_layout(p.to(dtype), p_layout)
+        p_next = gl.convert_layout(p, p_layout)
         acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
         gl.thread_barrier()
         mbarrier.arrive(v_empty.index(sp), count=1)
@@ -215,14 +240,14 @@ def _store_rows(out, buf, o_desc, O, stride_om, col, start, m0, n, BLOCK_M: gl.c
 def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
               O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
               WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+              STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
     q = q_smem.index(WG)
     m0 = r0 + WG * BLOCK_M  # first query row (position in the sequence) of this warpgroup
     mbarrier.wait(q_bar, 0)
     # warpgroup 0 issues first: its turn barrier counts as complete at the start (parity 1)
     acc, tph = _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn.index(WG), turn.index(1 - WG),
                        q_bar, 0, 1 - WG, m0, n, M, n_tiles, half_alpha,
-                       BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, False)
+                       BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, False, PACKED)
     # the Q tile (every warp's wgmma reads are complete: thread barrier at the end of _attend) holds the output
     _store_rows((acc * scale).to(q.dtype), q, o_desc, O, stride_om, col, start, m0, n, BLOCK_M, D)
     tma.store_wait(0)
@@ -232,27 +257,27 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, 
 def _consumer_worker(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                      O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                     STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+                     STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
     _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
               O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
-              1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)
+              1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)
 
 
 @gluon.jit
 def _consumer_default(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                       O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                      STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+                      STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
     _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
               O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
-              0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)
+              0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)
 
 
 @gluon.jit
 def _hstu_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARGETS,
                         stride_om, H, ROWS, MAX_N, half_alpha, scale,
                         HAS_TGT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                        STAGES: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -304,10 +329,10 @@ def _hstu_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARG
         gl.warp_specialize([
             (_consumer_default, (o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                                  O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
-                                 BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)),
+                                 BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)),
             (_consumer_worker, (o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                                 O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
-                                BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)),
+                                BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          start, r0, col, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -380,7 +405,7 @@ def _p_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
 def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
                 WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+                STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
     CTA_M: gl.constexpr = 2 * BLOCK_M
     n_blocks = (MAX_N + CTA_M - 1) // CTA_M
     buf = o_smem.index(WG)
@@ -396,7 +421,7 @@ def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_read
             mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
             acc, tph = _attend(q_smem.index(2 * qb + WG), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                turn.index(WG), turn.index(1 - WG), q_empty.index(qb), c, tph, m0, n, M, n_tiles,
-                               half_alpha, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, True)
+                               half_alpha, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, True, PACKED)
             c += n_tiles
             i += 1
             out = (acc * scale).to(q_smem.dtype)
@@ -410,27 +435,27 @@ def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_read
 def _p_consumer_default(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                         v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
                         scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                        STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+                        STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
     _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
-                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)
+                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)
 
 
 @gluon.jit
 def _p_consumer_worker(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
                        scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                       STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr):
+                       STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
     _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
-                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)
+                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)
 
 
 @gluon.jit
 def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARGETS,
                                    stride_om, H, ROWS, MAX_N, n_items, half_alpha, scale,
                                    HAS_TGT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                                   STAGES: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr,
                                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -459,10 +484,10 @@ def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSET
     gl.warp_specialize([
         (_p_consumer_default, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
-                               half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)),
+                               half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)),
         (_p_consumer_worker, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                               v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
-                              half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG)),
+                              half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)),
         (_p_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, BLOCK_M, BLOCK_N, D, STAGES,
                        HAS_TGT)),
@@ -553,8 +578,9 @@ def gluon_forward(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targ
     tgt = num_targets if num_targets is not None else seq_offsets
     o_desc = _desc_2d(out, BM, q_layout)
     meta = dict(HAS_TGT=num_targets is not None, BLOCK_M=BM, BLOCK_N=BN, STAGES=cfg["STAGES"],
-                  PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                  num_warps=4, maxnreg=cfg["MAXNREG"])
+                PINGPONG=cfg["PINGPONG"], PACKED=cfg["PACKED"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
+                PRODUCER_REGS=cfg["PRODUCER_REGS"],
+                num_warps=4, maxnreg=cfg["MAXNREG"])
     if cfg["PERSISTENT"]:
         grid = (min(n_items, _num_sms(q.device)), )
         _hstu_fwd_ws_persistent_kernel[grid](
