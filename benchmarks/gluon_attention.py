@@ -29,6 +29,8 @@ VARIANTS = {
     "pers_nopp": dict(PERSISTENT=True, PINGPONG=False),
     "packed": dict(PACKED=True),
     "pers_packed": dict(PERSISTENT=True, PACKED=True),
+    "nosync": dict(SYNC=False),
+    "pers_nosync": dict(PERSISTENT=True, SYNC=False),
 }
 
 

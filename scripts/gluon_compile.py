@@ -46,7 +46,8 @@ def compile_variant(cfg: dict, has_tgt=True, dtype="bf16"):
     if persistent:
         sig = {k: sig[k] for k in list(sig)[:11]} | {"n_items": "i32"} | {k: sig[k] for k in list(sig)[11:]}
     consts = dict(HAS_TGT=has_tgt, BLOCK_M=BM, BLOCK_N=BN, STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"],
-                  PACKED=cfg["PACKED"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"])
+                  PACKED=cfg["PACKED"], SYNC=cfg["SYNC"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
+                  PRODUCER_REGS=cfg["PRODUCER_REGS"])
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT would specialise: 16-byte aligned pointers, row stride a multiple of 16
@@ -80,8 +81,10 @@ def summarize(name, k, rep):
     bars = sorted(set(re.findall(r"bar\.sync\s+(\d+)(?:,\s*(\d+))?|barrier\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?",
                                  ptx)))
     warn = [l for l in rep.splitlines() if "warning" in l.lower()]
-    print(f"{name:28s} regs={regs} spill_st={spills} spill_ld={loads} stack={stack} shared={k.metadata.shared} B "
-          f"warps={getattr(k.metadata, 'num_warps', '?')} setmaxnreg={setmax} wgmma={nwg} named_bars={bars} stores={st}")
+    print(f"{name:28s} regs={regs} spill_st={spills} spill_ld={loads} stack={stack} "
+          f"shared={k.metadata.shared} B "
+          f"warps={getattr(k.metadata, 'num_warps', '?')} setmaxnreg={setmax} wgmma={nwg} named_bars={bars} "
+          f"stores={st}")
     for w in warn:
         print("   ", w)
 

@@ -60,6 +60,7 @@ GLUON_CONFIG = dict(
     MAXNREG=168,       # per-thread register cap of the launch: 65536 / (12 warps * 32) rounded down to 8
     PERSISTENT=False,  # one CTA per SM walking the work items (double-buffered Q, separate O staging tile)
     PACKED=False,      # silu on packed bf16x2/f16x2 (half the MUFU ops; P rounded earlier)
+    SYNC=True,         # warpgroup bar.sync before each K/V release (False: one thread's wgmma wait, as CUTLASS)
 )
 
 
@@ -135,7 +136,8 @@ def _mask_tile(p, t, rows, pi_rows, cols0, n, M, BLOCK_N: gl.constexpr, HAS_TGT:
 def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn_other, q_release,
             c0, tph, m0, n, M, n_tiles, half_alpha,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-            HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr, PACKED: gl.constexpr):
+            HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr,
+            PACKED: gl.constexpr, SYNC: gl.constexpr):
     """One warpgroup's query rows [m0, m0 + BLOCK_M) against key tiles 0 .. n_tiles - 1 (n_tiles >= 1), which
     occupy ring slots c0, c0 + 1, ... Returns the unscaled fp32 accumulator and the turn-barrier parity."""
     dtype: gl.constexpr = q.dtype
@@ -167,7 +169,8 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
         mbarrier.arrive(turn_other, count=1)
         tph ^= 1
     s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
-    gl.thread_barrier()  # every warp of the warpgroup is done reading K_0
+    if SYNC:  # CUTLASS releases without it (one thread's wait covers the warpgroup's wgmma)
+        gl.thread_barrier()
     mbarrier.arrive(k_empty.index(s), count=1)
     p = _scores_to_p(s_acc, half_alpha, dtype, PACKED)
     if fe <= 0:
@@ -191,14 +194,16 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
             tph ^= 1
         # wgmma groups retire in order: one outstanding = S_t done, PV_{t-1} still running
         s_acc = warpgroup_mma_wait(1, deps=(s_tok, ))
-        gl.thread_barrier()
+        if SYNC:  # CUTLASS releases without it (one thread's wait covers the warpgroup's wgmma)
+            gl.thread_barrier()
         mbarrier.arrive(k_empty.index(s), count=1)
         p = _scores_to_p(s_acc, half_alpha, dtype, PACKED)
         if t >= fe:
             p = _mask_tile(p, t, rows, pi_rows, cols0, n, M, BLOCK_N, HAS_TGT)
         p_next = gl.convert_layout(p, p_layout)
         acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-        gl.thread_barrier()
+        if SYNC:  # CUTLASS releases without it (one thread's wait covers the warpgroup's wgmma)
+            gl.thread_barrier()
         mbarrier.arrive(v_empty.index(sp), count=1)
         p16 = p_next
     if RELEASE_Q:  # every S of this item is complete (and the warps synchronised after it): Q can be refilled
@@ -240,14 +245,15 @@ def _store_rows(out, buf, o_desc, O, stride_om, col, start, m0, n, BLOCK_M: gl.c
 def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
               O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
               WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
+              STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
+              PACKED: gl.constexpr, SYNC: gl.constexpr):
     q = q_smem.index(WG)
     m0 = r0 + WG * BLOCK_M  # first query row (position in the sequence) of this warpgroup
     mbarrier.wait(q_bar, 0)
     # warpgroup 0 issues first: its turn barrier counts as complete at the start (parity 1)
     acc, tph = _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn.index(WG), turn.index(1 - WG),
                        q_bar, 0, 1 - WG, m0, n, M, n_tiles, half_alpha,
-                       BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, False, PACKED)
+                       BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, False, PACKED, SYNC)
     # the Q tile (every warp's wgmma reads are complete: thread barrier at the end of _attend) holds the output
     _store_rows((acc * scale).to(q.dtype), q, o_desc, O, stride_om, col, start, m0, n, BLOCK_M, D)
     tma.store_wait(0)
@@ -257,27 +263,29 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, 
 def _consumer_worker(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                      O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                     STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
+                     STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
+                     PACKED: gl.constexpr, SYNC: gl.constexpr):
     _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
               O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
-              1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)
+              1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)
 
 
 @gluon.jit
 def _consumer_default(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                       O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                      STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
+                      STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
+                      PACKED: gl.constexpr, SYNC: gl.constexpr):
     _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
               O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
-              0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)
+              0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)
 
 
 @gluon.jit
 def _hstu_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARGETS,
                         stride_om, H, ROWS, MAX_N, half_alpha, scale,
                         HAS_TGT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr,
+                        STAGES: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr, SYNC: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -329,10 +337,10 @@ def _hstu_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARG
         gl.warp_specialize([
             (_consumer_default, (o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                                  O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
-                                 BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)),
+                                 BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)),
             (_consumer_worker, (o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                                 O, stride_om, col, start, r0, n, M, n_tiles, half_alpha, scale,
-                                BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)),
+                                BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          start, r0, col, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -405,7 +413,8 @@ def _p_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
 def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
                 WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
+                STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
+                PACKED: gl.constexpr, SYNC: gl.constexpr):
     CTA_M: gl.constexpr = 2 * BLOCK_M
     n_blocks = (MAX_N + CTA_M - 1) // CTA_M
     buf = o_smem.index(WG)
@@ -421,7 +430,7 @@ def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_read
             mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
             acc, tph = _attend(q_smem.index(2 * qb + WG), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                turn.index(WG), turn.index(1 - WG), q_empty.index(qb), c, tph, m0, n, M, n_tiles,
-                               half_alpha, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, True, PACKED)
+                               half_alpha, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, True, PACKED, SYNC)
             c += n_tiles
             i += 1
             out = (acc * scale).to(q_smem.dtype)
@@ -435,27 +444,30 @@ def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_read
 def _p_consumer_default(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                         v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
                         scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                        STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
+                        STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
+                        PACKED: gl.constexpr, SYNC: gl.constexpr):
     _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
-                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)
+                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)
 
 
 @gluon.jit
 def _p_consumer_worker(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
                        scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                       STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr):
+                       STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
+                       PACKED: gl.constexpr, SYNC: gl.constexpr):
     _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
-                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)
+                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)
 
 
 @gluon.jit
 def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARGETS,
                                    stride_om, H, ROWS, MAX_N, n_items, half_alpha, scale,
                                    HAS_TGT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   STAGES: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr,
+                                   STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                                   PACKED: gl.constexpr, SYNC: gl.constexpr,
                                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -484,10 +496,10 @@ def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSET
     gl.warp_specialize([
         (_p_consumer_default, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
-                               half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)),
+                               half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)),
         (_p_consumer_worker, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                               v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
-                              half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED)),
+                              half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)),
         (_p_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, BLOCK_M, BLOCK_N, D, STAGES,
                        HAS_TGT)),
@@ -578,7 +590,7 @@ def gluon_forward(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targ
     tgt = num_targets if num_targets is not None else seq_offsets
     o_desc = _desc_2d(out, BM, q_layout)
     meta = dict(HAS_TGT=num_targets is not None, BLOCK_M=BM, BLOCK_N=BN, STAGES=cfg["STAGES"],
-                PINGPONG=cfg["PINGPONG"], PACKED=cfg["PACKED"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
+                PINGPONG=cfg["PINGPONG"], PACKED=cfg["PACKED"], SYNC=cfg["SYNC"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
                 PRODUCER_REGS=cfg["PRODUCER_REGS"],
                 num_warps=4, maxnreg=cfg["MAXNREG"])
     if cfg["PERSISTENT"]:
