@@ -26,6 +26,7 @@ VARIANTS = {
     "nopp": dict(PINGPONG=False),
     "s3_nopp": dict(STAGES=3, PINGPONG=False),
     "pers": dict(PERSISTENT=True),
+    "pers_static": dict(PERSISTENT=True, DYNAMIC=False),
     "pers_nopp": dict(PERSISTENT=True, PINGPONG=False),
     "packed": dict(PACKED=True),
     "pers_packed": dict(PERSISTENT=True, PACKED=True),

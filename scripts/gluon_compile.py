@@ -44,10 +44,13 @@ def compile_variant(cfg: dict, has_tgt=True, dtype="bf16"):
         "stride_om": "i32", "H": "i32", "ROWS": "i32", "MAX_N": "i32", "half_alpha": "fp32", "scale": "fp32",
     }
     if persistent:
-        sig = {k: sig[k] for k in list(sig)[:11]} | {"n_items": "i32"} | {k: sig[k] for k in list(sig)[11:]}
+        sig = {k: sig[k] for k in list(sig)[:7]} | {"COUNTER": "*i32"} | {k: sig[k] for k in list(sig)[7:11]} \
+            | {"n_items": "i32"} | {k: sig[k] for k in list(sig)[11:]}
     consts = dict(HAS_TGT=has_tgt, BLOCK_M=BM, BLOCK_N=BN, STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"],
                   PACKED=cfg["PACKED"], SYNC=cfg["SYNC"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
                   PRODUCER_REGS=cfg["PRODUCER_REGS"])
+    if persistent:
+        consts["DYNAMIC"] = cfg["DYNAMIC"]
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT would specialise: 16-byte aligned pointers, row stride a multiple of 16

@@ -59,6 +59,7 @@ GLUON_CONFIG = dict(
     PRODUCER_REGS=24,
     MAXNREG=168,       # per-thread register cap of the launch: 65536 / (12 warps * 32) rounded down to 8
     PERSISTENT=False,  # one CTA per SM walking the work items (double-buffered Q, separate O staging tile)
+    DYNAMIC=True,      # persistent: items from a global atomic counter (False: strided over the CTAs)
     PACKED=False,      # silu on packed bf16x2/f16x2 (half the MUFU ops; P rounded earlier)
     SYNC=True,         # warpgroup bar.sync before each K/V release (False: one thread's wgmma wait, as CUTLASS)
 )
@@ -377,15 +378,48 @@ def _item(w, n_blocks, H, SEQ_OFFSETS, NUM_TARGETS, ROWS, MAX_N, CTA_M: gl.const
 
 
 @gluon.jit
+def _post_item(sched, j, w):
+    """Producer: publish work item w in slot j % 2 of the item ring (dynamic scheduling)."""
+    COUNTER, item_smem, item_ready, item_empty = sched
+    slot = j % 2
+    mbarrier.wait(item_empty.index(slot), ((j // 2) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    item_smem.index(slot).store(gl.full([1], w, gl.int32, layout))
+    gl.thread_barrier()
+    mbarrier.arrive(item_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _get_item(sched, j):
+    """Consumer: the work item in slot j % 2 of the item ring."""
+    COUNTER, item_smem, item_ready, item_empty = sched
+    slot = j % 2
+    mbarrier.wait(item_ready.index(slot), (j // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    w = gl.max(item_smem.index(slot).load(layout), axis=0)
+    gl.thread_barrier()
+    mbarrier.arrive(item_empty.index(slot), count=1)
+    return w
+
+
+@gluon.jit
 def _p_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
+                v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, sched,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                HAS_TGT: gl.constexpr):
+                HAS_TGT: gl.constexpr, DYNAMIC: gl.constexpr):
     CTA_M: gl.constexpr = 2 * BLOCK_M
     n_blocks = (MAX_N + CTA_M - 1) // CTA_M
     c = 0
     i = 0
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    j = 0
+    if DYNAMIC:  # items in queue order (the heaviest block of each (sequence, head) first) to whichever CTA asks
+        w = gl.atomic_add(sched[0], 1)
+    else:
+        w = gl.program_id(0)
+    while w < n_items:
+        if DYNAMIC:
+            _post_item(sched, j, w)
+        j += 1
         start, n, M, r0, n_tiles, col = _item(w, n_blocks, H, SEQ_OFFSETS, NUM_TARGETS, ROWS, MAX_N, CTA_M,
                                               BLOCK_N, D, HAS_TGT)
         if r0 < n:
@@ -407,21 +441,33 @@ def _p_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                 tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_smem.index(s))
                 c += 1
             i += 1
+        if DYNAMIC:
+            w = gl.atomic_add(sched[0], 1)
+        else:
+            w += gl.num_programs(0)
+    if DYNAMIC:  # the end marker (w >= n_items) for the consumers
+        _post_item(sched, j, w)
 
 
 @gluon.jit
 def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
+                O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale, sched,
                 WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                 STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                PACKED: gl.constexpr, SYNC: gl.constexpr):
+                PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr):
     CTA_M: gl.constexpr = 2 * BLOCK_M
     n_blocks = (MAX_N + CTA_M - 1) // CTA_M
     buf = o_smem.index(WG)
     c = 0
     i = 0
+    j = 0
     tph = 1 - WG  # warpgroup 0 issues first
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    if DYNAMIC:
+        w = _get_item(sched, j)
+    else:
+        w = gl.program_id(0)
+    while w < n_items:
+        j += 1
         start, n, M, r0, n_tiles, col = _item(w, n_blocks, H, SEQ_OFFSETS, NUM_TARGETS, ROWS, MAX_N, CTA_M,
                                               BLOCK_N, D, HAS_TGT)
         if r0 < n:
@@ -437,37 +483,41 @@ def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_read
             tma.store_wait(0)  # the previous item's TMA store has read buf
             gl.thread_barrier()
             _store_rows(out, buf, o_desc, O, stride_om, col, start, m0, n, BLOCK_M, D)
+        if DYNAMIC:
+            w = _get_item(sched, j)
+        else:
+            w += gl.num_programs(0)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _p_consumer_default(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                         v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
-                        scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                        scale, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                        PACKED: gl.constexpr, SYNC: gl.constexpr):
+                        PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr):
     _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
-                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)
+                O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale, sched,
+                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)
 
 
 @gluon.jit
 def _p_consumer_worker(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
-                       scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                       scale, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                       PACKED: gl.constexpr, SYNC: gl.constexpr):
+                       PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr):
     _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale,
-                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)
+                O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale, sched,
+                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)
 
 
 @gluon.jit
-def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARGETS,
+def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
                                    stride_om, H, ROWS, MAX_N, n_items, half_alpha, scale,
                                    HAS_TGT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                                   PACKED: gl.constexpr, SYNC: gl.constexpr,
+                                   STAGES: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr,
+                                   SYNC: gl.constexpr, DYNAMIC: gl.constexpr,
                                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -483,10 +533,16 @@ def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSET
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # dynamic scheduling: the producer takes items from a global counter and passes them on through a 2-slot ring
+    item_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
         mbarrier.init(turn.index(i), count=1)
+        mbarrier.init(item_ready.index(i), count=1)
+        mbarrier.init(item_empty.index(i), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -496,13 +552,15 @@ def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSET
     gl.warp_specialize([
         (_p_consumer_default, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
-                               half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)),
+                               half_alpha, scale, (COUNTER, item_smem, item_ready, item_empty),
+                               BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)),
         (_p_consumer_worker, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                               v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
-                              half_alpha, scale, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC)),
+                              half_alpha, scale, (COUNTER, item_smem, item_ready, item_empty),
+                              BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)),
         (_p_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, BLOCK_M, BLOCK_N, D, STAGES,
-                       HAS_TGT)),
+                       v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
+                       (COUNTER, item_smem, item_ready, item_empty), BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -595,9 +653,11 @@ def gluon_forward(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targ
                 num_warps=4, maxnreg=cfg["MAXNREG"])
     if cfg["PERSISTENT"]:
         grid = (min(n_items, _num_sms(q.device)), )
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if cfg["DYNAMIC"] else seq_offsets
         _hstu_fwd_ws_persistent_kernel[grid](
-            q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt,
-            out.stride(0), H, L, max_seq_len, n_items, 0.5 * float(alpha), 1.0 / max_seq_len, **meta)
+            q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt, counter,
+            out.stride(0), H, L, max_seq_len, n_items, 0.5 * float(alpha), 1.0 / max_seq_len,
+            DYNAMIC=cfg["DYNAMIC"], **meta)
     else:
         _hstu_fwd_ws_kernel[(n_items, )](
             q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt,

@@ -107,8 +107,9 @@ def test_lengths_persistent(N):
 
 @pytest.mark.parametrize("cfg", [dict(STAGES=2), dict(STAGES=3), dict(PINGPONG=False), dict(PERSISTENT=True),
                                  dict(PERSISTENT=True, PINGPONG=False), dict(PACKED=True), dict(SYNC=False),
-                                 dict(PERSISTENT=True, SYNC=False)],
-                         ids=["s2", "s3", "nopp", "pers", "pers_nopp", "packed", "nosync", "pers_nosync"])
+                                 dict(PERSISTENT=True, SYNC=False), dict(PERSISTENT=True, DYNAMIC=False)],
+                         ids=["s2", "s3", "nopp", "pers", "pers_nopp", "packed", "nosync", "pers_nosync",
+                              "pers_static"])
 def test_configs(cfg):
     _check(6, 777, 2, torch.bfloat16, "fused", True, 1.0 / 128, _seed(), config=cfg)
 
