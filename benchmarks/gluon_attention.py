@@ -28,8 +28,10 @@ VARIANTS = {
     "pers": dict(PERSISTENT=True),
     "pers_static": dict(PERSISTENT=True, DYNAMIC=False),
     "pers_nopp": dict(PERSISTENT=True, PINGPONG=False),
-    "packed": dict(PACKED=True),
-    "pers_packed": dict(PERSISTENT=True, PACKED=True),
+    "packed": dict(PACKED=1),
+    "probe_nosilu": dict(PACKED=2),  # timing probe only: P = alpha S / 2 (wrong results)
+    "pers_probe_nosilu": dict(PERSISTENT=True, PACKED=2),
+    "pers_packed": dict(PERSISTENT=True, PACKED=1),
     "nosync": dict(SYNC=False),
     "pers_nosync": dict(PERSISTENT=True, SYNC=False),
 }
