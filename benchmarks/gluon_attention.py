@@ -21,19 +21,16 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 VARIANTS = {
-    "default": {},
-    "s3": dict(STAGES=3),
-    "nopp": dict(PINGPONG=False),
-    "s3_nopp": dict(STAGES=3, PINGPONG=False),
+    "default": {},  # persistent, dynamic scheduling
     "pers": dict(PERSISTENT=True),
     "pers_static": dict(PERSISTENT=True, DYNAMIC=False),
     "pers_nopp": dict(PERSISTENT=True, PINGPONG=False),
-    "packed": dict(PACKED=1),
-    "probe_nosilu": dict(PACKED=2),  # timing probe only: P = alpha S / 2 (wrong results)
-    "pers_probe_nosilu": dict(PERSISTENT=True, PACKED=2),
     "pers_packed": dict(PERSISTENT=True, PACKED=1),
-    "nosync": dict(SYNC=False),
-    "pers_nosync": dict(PERSISTENT=True, SYNC=False),
+    "pers_probe_nosilu": dict(PERSISTENT=True, PACKED=2),  # timing probe only: no silu (wrong results)
+    "nonpers": dict(PERSISTENT=False),
+    "nonpers_s3": dict(PERSISTENT=False, STAGES=3),
+    "nonpers_nopp": dict(PERSISTENT=False, PINGPONG=False),
+    "nonpers_probe_nosilu": dict(PERSISTENT=False, PACKED=2),
 }
 
 
@@ -42,7 +39,7 @@ def main():
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--b", type=int, default=128)
     ap.add_argument("--h", type=int, default=4)
-    ap.add_argument("--variants", nargs="+", default=["default", "s3", "nopp", "pers"])
+    ap.add_argument("--variants", nargs="+", default=["nonpers", "default"])
     ap.add_argument("--rep", type=int, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()

@@ -105,13 +105,61 @@ def test_lengths_persistent(N):
     _check(24, N, 4, torch.bfloat16, "fused", True, 0.2, _seed(), config=dict(PERSISTENT=True))
 
 
-@pytest.mark.parametrize("cfg", [dict(STAGES=2), dict(STAGES=3), dict(PINGPONG=False), dict(PERSISTENT=True),
-                                 dict(PERSISTENT=True, PINGPONG=False), dict(PACKED=True), dict(SYNC=False),
-                                 dict(PERSISTENT=True, SYNC=False), dict(PERSISTENT=True, DYNAMIC=False)],
-                         ids=["s2", "s3", "nopp", "pers", "pers_nopp", "packed", "nosync", "pers_nosync",
-                              "pers_static"])
+CONFIGS = {
+    "pers": dict(PERSISTENT=True),  # the default
+    "pers_nopp": dict(PERSISTENT=True, PINGPONG=False),
+    "pers_nosync": dict(PERSISTENT=True, SYNC=False),
+    "pers_static": dict(PERSISTENT=True, DYNAMIC=False),
+    "nonpers_s2": dict(PERSISTENT=False, STAGES=2),
+    "nonpers_s3": dict(PERSISTENT=False, STAGES=3),
+    "nonpers_nopp": dict(PERSISTENT=False, PINGPONG=False),
+    "nonpers_nosync": dict(PERSISTENT=False, SYNC=False),
+}
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS.values()), ids=list(CONFIGS))
 def test_configs(cfg):
     _check(6, 777, 2, torch.bfloat16, "fused", True, 1.0 / 128, _seed(), config=cfg)
+
+
+# The case that failed in GPU batch 1 (01:35 UTC): it ran config PACKED=True, whose bf16x2 silu is 3.6e-3 away
+# from the fp32-silu result (Triton's default), over the 2.4e-3 bound; every fp32-silu config was bitwise equal
+# to the Triton op on it. Fixed seed, every config, and PACKED with its own (looser, measured) bound.
+_B1_CASE = dict(B=6, N=777, H=2, dtype=torch.bfloat16, layout="fused", targets=True, alpha=1.0 / 128, seed=2526020011)
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_batch1_case_fixed_seed(cfg):
+    c = _B1_CASE
+    _check(c["B"], c["N"], c["H"], c["dtype"], c["layout"], c["targets"], c["alpha"], c["seed"], config=cfg)
+
+
+def test_packed_accuracy():
+    """PACKED=1 (bf16x2 tanh + fma) trades accuracy: within 5e-3 of fp64, not within 2.4e-3."""
+    from hstu_inductor.kernels.gluon_attention import gluon_forward
+
+    c = _B1_CASE
+    q, k, v, off, nt = make_case(c["B"], c["N"], c["H"], 128, c["dtype"], c["seed"], layout=c["layout"],
+                                 targets=True)
+    out = gluon_forward(q, k, v, off, c["N"], c["alpha"], nt, config=dict(PACKED=1))
+    ref = hstu_mha(c["N"], c["alpha"], q.double(), k.double(), v.double(), off, dropout_pr=0.0, training=False,
+                   num_targets=nt)
+    e = rel_err(out, ref)
+    print(f"packed gluon-vs-fp64 {e:.2e}")
+    assert e < 5e-3
+
+
+@pytest.mark.parametrize("cfg", [dict(PERSISTENT=True), dict(PERSISTENT=False)], ids=["pers", "nonpers"])
+def test_repeat_bitwise(cfg):
+    """20 runs on the same inputs are bitwise equal (a race or a stale stage would show as a difference)."""
+    from hstu_inductor.kernels.gluon_attention import gluon_forward
+
+    seed = _seed()
+    q, k, v, off, nt = make_case(64, 1100, 4, 128, torch.bfloat16, seed, targets=True)
+    first = gluon_forward(q, k, v, off, 1100, 0.1, nt, config=cfg)
+    for i in range(20):
+        again = gluon_forward(q, k, v, off, 1100, 0.1, nt, config=cfg)
+        assert torch.equal(first, again), f"run {i} differs, seed={seed}"
 
 
 def test_large_targets_only_history():
