@@ -59,6 +59,8 @@ GLUON_CONFIG = dict(
     PRODUCER_REGS=24,
     MAXNREG=168,       # per-thread register cap of the launch: 65536 / (12 warps * 32) rounded down to 8
     PERSISTENT=True,   # one CTA per SM walking the work items (double-buffered Q, separate O staging tile)
+    K_EXTRA=0,         # persistent: K ring one deeper than the V ring, K issued one tile ahead of V
+    EPI_REGS=False,    # persistent: output stored from the accumulator registers (frees the O staging tiles)
     DYNAMIC=True,      # persistent: items from a global atomic counter (False: strided over the CTAs)
     PACKED=0,          # 1: silu on packed bf16x2/f16x2 (half the MUFU ops; measured 3.6e-3 from the fp32-silu
                        # result, over the 2.4e-3 bound, and no faster on H100); 2: no silu (timing probe only)
@@ -146,6 +148,8 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
     """One warpgroup's query rows [m0, m0 + BLOCK_M) against key tiles 0 .. n_tiles - 1 (n_tiles >= 1), which
     occupy ring slots c0, c0 + 1, ... Returns the unscaled fp32 accumulator and the turn-barrier parity."""
     dtype: gl.constexpr = q.dtype
+    KS: gl.constexpr = k_smem.shape[0]  # K ring depth (may exceed the V ring's)
+    VS: gl.constexpr = v_smem.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -165,8 +169,8 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
 
     # ---- prologue: S_0, P_0
-    s = c0 % STAGES
-    mbarrier.wait(k_ready.index(s), (c0 // STAGES) & 1)
+    s = c0 % KS
+    mbarrier.wait(k_ready.index(s), (c0 // KS) & 1)
     if PINGPONG:
         mbarrier.wait(turn_me, tph)
     s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -185,10 +189,10 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
     # ---- steady state: issue S_t and PV_{t-1}, wait for S_t, silu(S_t) under PV_{t-1}
     for t in range(1, n_tiles):
         c = c0 + t
-        s = c % STAGES
-        sp = (c - 1) % STAGES
-        mbarrier.wait(k_ready.index(s), (c // STAGES) & 1)
-        mbarrier.wait(v_ready.index(sp), ((c - 1) // STAGES) & 1)
+        s = c % KS
+        sp = (c - 1) % VS
+        mbarrier.wait(k_ready.index(s), (c // KS) & 1)
+        mbarrier.wait(v_ready.index(sp), ((c - 1) // VS) & 1)
         if PINGPONG:
             mbarrier.wait(turn_me, tph)
         # use_acc=False: the previous S (dead by now) only lends its registers
@@ -216,8 +220,8 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
 
     # ---- last P V
     c = c0 + n_tiles - 1
-    sl = c % STAGES
-    mbarrier.wait(v_ready.index(sl), (c // STAGES) & 1)
+    sl = c % VS
+    mbarrier.wait(v_ready.index(sl), (c // VS) & 1)
     acc = warpgroup_mma(p16, v_smem.index(sl), acc, is_async=True)
     acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
     gl.thread_barrier()
@@ -407,11 +411,30 @@ def _get_item(sched, j):
 
 
 @gluon.jit
+def _load_k(k_desc, k_smem, k_ready, k_empty, c, row, col, BLOCK_N: gl.constexpr):
+    KS: gl.constexpr = k_smem.shape[0]
+    s = c % KS
+    mbarrier.wait(k_empty.index(s), ((c // KS) & 1) ^ 1)  # "phase 1 complete" at the start: no wait
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_smem.index(s))
+
+
+@gluon.jit
+def _load_v(v_desc, v_smem, v_ready, v_empty, c, row, col):
+    VS: gl.constexpr = v_smem.shape[0]
+    s = c % VS
+    mbarrier.wait(v_empty.index(s), ((c // VS) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
 def _p_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                 v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, sched,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                 HAS_TGT: gl.constexpr, DYNAMIC: gl.constexpr):
     CTA_M: gl.constexpr = 2 * BLOCK_M
+    K_AHEAD: gl.constexpr = k_smem.shape[0] > v_smem.shape[0]
     n_blocks = (MAX_N + CTA_M - 1) // CTA_M
     c = 0
     i = 0
@@ -433,17 +456,18 @@ def _p_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
             tma.async_copy_global_to_shared(q_desc, [start + r0, col], q_ready.index(qb), q_smem.index(2 * qb))
             tma.async_copy_global_to_shared(q_desc, [start + r0 + BLOCK_M, col], q_ready.index(qb),
                                             q_smem.index(2 * qb + 1))
-            for t in range(n_tiles):
-                s = c % STAGES
-                ph = (c // STAGES) & 1
-                row = start + t * BLOCK_N
-                mbarrier.wait(k_empty.index(s), ph ^ 1)
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_smem.index(s))
-                mbarrier.wait(v_empty.index(s), ph ^ 1)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_smem.index(s))
-                c += 1
+            if K_AHEAD:  # K_t goes out before V_{t-1}: the consumers need exactly that pair at tile t
+                _load_k(k_desc, k_smem, k_ready, k_empty, c, start, col, BLOCK_N)
+                for t in range(1, n_tiles):
+                    _load_k(k_desc, k_smem, k_ready, k_empty, c + t, start + t * BLOCK_N, col, BLOCK_N)
+                    _load_v(v_desc, v_smem, v_ready, v_empty, c + t - 1, start + (t - 1) * BLOCK_N, col)
+                _load_v(v_desc, v_smem, v_ready, v_empty, c + n_tiles - 1, start + (n_tiles - 1) * BLOCK_N, col)
+                c += n_tiles
+            else:
+                for t in range(n_tiles):
+                    _load_k(k_desc, k_smem, k_ready, k_empty, c, start + t * BLOCK_N, col, BLOCK_N)
+                    _load_v(v_desc, v_smem, v_ready, v_empty, c, start + t * BLOCK_N, col)
+                    c += 1
             i += 1
         if DYNAMIC:
             w = gl.atomic_add(sched[0], 1)
@@ -458,7 +482,8 @@ def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_read
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale, sched,
                 WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                 STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr):
+                PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr,
+                EPI_REGS: gl.constexpr):
     CTA_M: gl.constexpr = 2 * BLOCK_M
     n_blocks = (MAX_N + CTA_M - 1) // CTA_M
     buf = o_smem.index(WG)
@@ -484,9 +509,16 @@ def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_read
             c += n_tiles
             i += 1
             out = (acc * scale).to(q_smem.dtype)
-            tma.store_wait(0)  # the previous item's TMA store has read buf
-            gl.thread_barrier()
-            _store_rows(out, buf, o_desc, O, stride_om, col, start, m0, n, BLOCK_M, D)
+            if EPI_REGS:  # straight from the accumulator layout, 4-byte row-masked stores (no shared memory)
+                o_layout: gl.constexpr = out.type.layout
+                r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+                cc = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+                row_off = gl.multiple_of((start + r).to(gl.int64) * stride_om + col, 16)
+                gl.store(O + (row_off[:, None] + cc[None, :]), out, mask=(r < n)[:, None])
+            else:
+                tma.store_wait(0)  # the previous item's TMA store has read buf
+                gl.thread_barrier()
+                _store_rows(out, buf, o_desc, O, stride_om, col, start, m0, n, BLOCK_M, D)
         if DYNAMIC:
             w = _get_item(sched, j)
         else:
@@ -499,10 +531,11 @@ def _p_consumer_default(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty
                         v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
                         scale, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                        PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr):
+                        PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr,
+                EPI_REGS: gl.constexpr):
     _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale, sched,
-                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)
+                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC, EPI_REGS)
 
 
 @gluon.jit
@@ -510,10 +543,11 @@ def _p_consumer_worker(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                        v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
                        scale, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                       PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr):
+                       PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr,
+                EPI_REGS: gl.constexpr):
     _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale, sched,
-                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)
+                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC, EPI_REGS)
 
 
 @gluon.jit
@@ -522,18 +556,23 @@ def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSET
                                    HAS_TGT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                    STAGES: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr,
                                    SYNC: gl.constexpr, DYNAMIC: gl.constexpr,
-                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                   K_EXTRA: gl.constexpr = 0, EPI_REGS: gl.constexpr = False):
+    KS: gl.constexpr = STAGES + K_EXTRA
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     # Q: [buffer, warpgroup] double-buffered across items; O: one staging tile per warpgroup
     q_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, D], q_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], o_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    if EPI_REGS:
+        o_smem = gl.allocate_shared_memory(dtype, [2, 8, D], o_desc.layout)  # unused
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], o_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [KS, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -547,21 +586,22 @@ def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSET
         mbarrier.init(turn.index(i), count=1)
         mbarrier.init(item_ready.index(i), count=1)
         mbarrier.init(item_empty.index(i), count=2)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(KS):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
     gl.warp_specialize([
         (_p_consumer_default, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
                                half_alpha, scale, (COUNTER, item_smem, item_ready, item_empty),
-                               BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)),
+                               BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC, EPI_REGS)),
         (_p_consumer_worker, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                               v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
                               half_alpha, scale, (COUNTER, item_smem, item_ready, item_empty),
-                              BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)),
+                              BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC, EPI_REGS)),
         (_p_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
                        (COUNTER, item_smem, item_ready, item_empty), BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, DYNAMIC)),
@@ -661,7 +701,7 @@ def gluon_forward(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targ
         _hstu_fwd_ws_persistent_kernel[grid](
             q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt, counter,
             out.stride(0), H, L, max_seq_len, n_items, 0.5 * float(alpha), 1.0 / max_seq_len,
-            DYNAMIC=cfg["DYNAMIC"], **meta)
+            DYNAMIC=cfg["DYNAMIC"], K_EXTRA=cfg["K_EXTRA"], EPI_REGS=cfg["EPI_REGS"], **meta)
     else:
         _hstu_fwd_ws_kernel[(n_items, )](
             q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt,

@@ -110,6 +110,8 @@ CONFIGS = {
     "pers_nopp": dict(PERSISTENT=True, PINGPONG=False),
     "pers_nosync": dict(PERSISTENT=True, SYNC=False),
     "pers_static": dict(PERSISTENT=True, DYNAMIC=False),
+    "pers_epi": dict(PERSISTENT=True, EPI_REGS=True),
+    "pers_k3": dict(PERSISTENT=True, EPI_REGS=True, K_EXTRA=1),
     "nonpers_s2": dict(PERSISTENT=False, STAGES=2),
     "nonpers_s3": dict(PERSISTENT=False, STAGES=3),
     "nonpers_nopp": dict(PERSISTENT=False, PINGPONG=False),
@@ -149,7 +151,8 @@ def test_packed_accuracy():
     assert e < 5e-3
 
 
-@pytest.mark.parametrize("cfg", [dict(PERSISTENT=True), dict(PERSISTENT=False)], ids=["pers", "nonpers"])
+@pytest.mark.parametrize("cfg", [dict(PERSISTENT=True), dict(PERSISTENT=False),
+                                 dict(PERSISTENT=True, EPI_REGS=True, K_EXTRA=1)], ids=["pers", "nonpers", "pers_k3"])
 def test_repeat_bitwise(cfg):
     """20 runs on the same inputs are bitwise equal (a race or a stale stage would show as a difference)."""
     from hstu_inductor.kernels.gluon_attention import gluon_forward
