@@ -163,7 +163,12 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
     else:
         pi_rows = rows
         P0 = m0
-    # tiles [0, fe) are visible to every row of this warpgroup (keys with id < its first row's id)
+    # tiles [0, fe) are visible to every row of this warpgroup (keys with id < its first row's id); tiles from
+    # n_wg on hold only keys past its last row (possible when BLOCK_N < 2 * BLOCK_M): passed on, not computed
+    SKIP: gl.constexpr = BLOCK_N < 2 * BLOCK_M
+    n_all = n_tiles
+    if SKIP:
+        n_tiles = gl.minimum(n_all, (m0 + BLOCK_M - 1) // BLOCK_N + 1)
     fe = gl.minimum(P0 // BLOCK_N, n_tiles)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
@@ -226,7 +231,28 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn
     acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
     gl.thread_barrier()
     mbarrier.arrive(v_empty.index(sl), count=1)
+    # ---- tiles invisible to this warpgroup: wait until each is loaded (its slot's previous phase is complete, so
+    # this arrival counts for the right one), release it, and keep the turn order
+    if SKIP:
+        tph = _pass_tiles(k_ready, k_empty, v_ready, v_empty, turn_me, turn_other, c0, n_tiles, n_all, tph,
+                          KS, VS, PINGPONG)
     return acc, tph
+
+
+@gluon.jit
+def _pass_tiles(k_ready, k_empty, v_ready, v_empty, turn_me, turn_other, c0, t0, t1, tph,
+                KS: gl.constexpr, VS: gl.constexpr, PINGPONG: gl.constexpr):
+    for t in range(t0, t1):
+        c = c0 + t
+        mbarrier.wait(k_ready.index(c % KS), (c // KS) & 1)
+        mbarrier.arrive(k_empty.index(c % KS), count=1)
+        mbarrier.wait(v_ready.index(c % VS), (c // VS) & 1)
+        mbarrier.arrive(v_empty.index(c % VS), count=1)
+        if PINGPONG:
+            mbarrier.wait(turn_me, tph)
+            mbarrier.arrive(turn_other, count=1)
+            tph ^= 1
+    return tph
 
 
 @gluon.jit
