@@ -25,10 +25,7 @@ VARIANTS = {
     "pers": dict(PERSISTENT=True),
     "pers_static": dict(PERSISTENT=True, DYNAMIC=False),
     "pers_nopp": dict(PERSISTENT=True, PINGPONG=False),
-    "pers_epi": dict(PERSISTENT=True, EPI_REGS=True),
-    "pers_k3": dict(PERSISTENT=True, EPI_REGS=True, K_EXTRA=1),
     "pers_bn64": dict(PERSISTENT=True, BLOCK_N=64, STAGES=4),
-    "pers_bn64_k": dict(PERSISTENT=True, BLOCK_N=64, STAGES=4, EPI_REGS=True, K_EXTRA=1),
     "pers_packed": dict(PERSISTENT=True, PACKED=1),
     "pers_probe_nosilu": dict(PERSISTENT=True, PACKED=2),  # timing probe only: no silu (wrong results)
     "nonpers": dict(PERSISTENT=False),

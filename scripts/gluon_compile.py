@@ -50,7 +50,7 @@ def compile_variant(cfg: dict, has_tgt=True, dtype="bf16"):
                   PACKED=cfg["PACKED"], SYNC=cfg["SYNC"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
                   PRODUCER_REGS=cfg["PRODUCER_REGS"])
     if persistent:
-        consts.update(DYNAMIC=cfg["DYNAMIC"], K_EXTRA=cfg["K_EXTRA"], EPI_REGS=cfg["EPI_REGS"])
+        consts.update(DYNAMIC=cfg["DYNAMIC"])
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT would specialise: 16-byte aligned pointers, row stride a multiple of 16

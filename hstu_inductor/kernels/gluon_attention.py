@@ -59,8 +59,6 @@ GLUON_CONFIG = dict(
     PRODUCER_REGS=24,
     MAXNREG=168,       # per-thread register cap of the launch: 65536 / (12 warps * 32) rounded down to 8
     PERSISTENT=True,   # one CTA per SM walking the work items (double-buffered Q, separate O staging tile)
-    K_EXTRA=0,         # persistent: K ring one deeper than the V ring, K issued one tile ahead of V
-    EPI_REGS=False,    # persistent: output stored from the accumulator registers (frees the O staging tiles)
     DYNAMIC=True,      # persistent: items from a global atomic counter (False: strided over the CTAs)
     PACKED=0,          # 1: silu on packed bf16x2/f16x2 (half the MUFU ops; measured 3.6e-3 from the fp32-silu
                        # result, over the 2.4e-3 bound, and no faster on H100); 2: no silu (timing probe only)
@@ -460,7 +458,6 @@ def _p_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                 HAS_TGT: gl.constexpr, DYNAMIC: gl.constexpr):
     CTA_M: gl.constexpr = 2 * BLOCK_M
-    K_AHEAD: gl.constexpr = k_smem.shape[0] > v_smem.shape[0]
     n_blocks = (MAX_N + CTA_M - 1) // CTA_M
     c = 0
     i = 0
@@ -482,18 +479,10 @@ def _p_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
             tma.async_copy_global_to_shared(q_desc, [start + r0, col], q_ready.index(qb), q_smem.index(2 * qb))
             tma.async_copy_global_to_shared(q_desc, [start + r0 + BLOCK_M, col], q_ready.index(qb),
                                             q_smem.index(2 * qb + 1))
-            if K_AHEAD:  # K_t goes out before V_{t-1}: the consumers need exactly that pair at tile t
-                _load_k(k_desc, k_smem, k_ready, k_empty, c, start, col, BLOCK_N)
-                for t in range(1, n_tiles):
-                    _load_k(k_desc, k_smem, k_ready, k_empty, c + t, start + t * BLOCK_N, col, BLOCK_N)
-                    _load_v(v_desc, v_smem, v_ready, v_empty, c + t - 1, start + (t - 1) * BLOCK_N, col)
-                _load_v(v_desc, v_smem, v_ready, v_empty, c + n_tiles - 1, start + (n_tiles - 1) * BLOCK_N, col)
-                c += n_tiles
-            else:
-                for t in range(n_tiles):
-                    _load_k(k_desc, k_smem, k_ready, k_empty, c, start + t * BLOCK_N, col, BLOCK_N)
-                    _load_v(v_desc, v_smem, v_ready, v_empty, c, start + t * BLOCK_N, col)
-                    c += 1
+            for t in range(n_tiles):
+                _load_k(k_desc, k_smem, k_ready, k_empty, c, start + t * BLOCK_N, col, BLOCK_N)
+                _load_v(v_desc, v_smem, v_ready, v_empty, c, start + t * BLOCK_N, col)
+                c += 1
             i += 1
         if DYNAMIC:
             w = gl.atomic_add(sched[0], 1)
@@ -508,8 +497,7 @@ def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_read
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale, sched,
                 WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                 STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr,
-                EPI_REGS: gl.constexpr):
+                PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr):
     CTA_M: gl.constexpr = 2 * BLOCK_M
     n_blocks = (MAX_N + CTA_M - 1) // CTA_M
     buf = o_smem.index(WG)
@@ -535,16 +523,9 @@ def _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_read
             c += n_tiles
             i += 1
             out = (acc * scale).to(q_smem.dtype)
-            if EPI_REGS:  # straight from the accumulator layout, 4-byte row-masked stores (no shared memory)
-                o_layout: gl.constexpr = out.type.layout
-                r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-                cc = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-                row_off = gl.multiple_of((start + r).to(gl.int64) * stride_om + col, 16)
-                gl.store(O + (row_off[:, None] + cc[None, :]), out, mask=(r < n)[:, None])
-            else:
-                tma.store_wait(0)  # the previous item's TMA store has read buf
-                gl.thread_barrier()
-                _store_rows(out, buf, o_desc, O, stride_om, col, start, m0, n, BLOCK_M, D)
+            tma.store_wait(0)  # the previous item's TMA store has read buf
+            gl.thread_barrier()
+            _store_rows(out, buf, o_desc, O, stride_om, col, start, m0, n, BLOCK_M, D)
         if DYNAMIC:
             w = _get_item(sched, j)
         else:
@@ -557,11 +538,10 @@ def _p_consumer_default(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty
                         v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
                         scale, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                        PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr,
-                EPI_REGS: gl.constexpr):
+                        PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr):
     _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale, sched,
-                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC, EPI_REGS)
+                0, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)
 
 
 @gluon.jit
@@ -569,11 +549,10 @@ def _p_consumer_worker(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                        v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha,
                        scale, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                       PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr,
-                EPI_REGS: gl.constexpr):
+                       PACKED: gl.constexpr, SYNC: gl.constexpr, DYNAMIC: gl.constexpr):
     _p_consumer(o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                 O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items, half_alpha, scale, sched,
-                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC, EPI_REGS)
+                1, BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)
 
 
 @gluon.jit
@@ -582,23 +561,18 @@ def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSET
                                    HAS_TGT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                    STAGES: gl.constexpr, PINGPONG: gl.constexpr, PACKED: gl.constexpr,
                                    SYNC: gl.constexpr, DYNAMIC: gl.constexpr,
-                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                   K_EXTRA: gl.constexpr = 0, EPI_REGS: gl.constexpr = False):
-    KS: gl.constexpr = STAGES + K_EXTRA
+                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
     # Q: [buffer, warpgroup] double-buffered across items; O: one staging tile per warpgroup
     q_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, D], q_desc.layout)
-    if EPI_REGS:
-        o_smem = gl.allocate_shared_memory(dtype, [2, 8, D], o_desc.layout)  # unused
-    else:
-        o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], o_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [KS, BLOCK_N, D], k_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], o_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -612,10 +586,9 @@ def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSET
         mbarrier.init(turn.index(i), count=1)
         mbarrier.init(item_ready.index(i), count=1)
         mbarrier.init(item_empty.index(i), count=2)
-    for i in gl.static_range(KS):
+    for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
-    for i in gl.static_range(STAGES):
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
@@ -623,11 +596,11 @@ def _hstu_fwd_ws_persistent_kernel(q_desc, k_desc, v_desc, o_desc, O, SEQ_OFFSET
         (_p_consumer_default, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                                v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
                                half_alpha, scale, (COUNTER, item_smem, item_ready, item_empty),
-                               BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC, EPI_REGS)),
+                               BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)),
         (_p_consumer_worker, (o_desc, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                               v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
                               half_alpha, scale, (COUNTER, item_smem, item_ready, item_empty),
-                              BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC, EPI_REGS)),
+                              BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, PINGPONG, PACKED, SYNC, DYNAMIC)),
         (_p_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, n_items,
                        (COUNTER, item_smem, item_ready, item_empty), BLOCK_M, BLOCK_N, D, STAGES, HAS_TGT, DYNAMIC)),
@@ -727,7 +700,7 @@ def gluon_forward(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targ
         _hstu_fwd_ws_persistent_kernel[grid](
             q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt, counter,
             out.stride(0), H, L, max_seq_len, n_items, 0.5 * float(alpha), 1.0 / max_seq_len,
-            DYNAMIC=cfg["DYNAMIC"], K_EXTRA=cfg["K_EXTRA"], EPI_REGS=cfg["EPI_REGS"], **meta)
+            DYNAMIC=cfg["DYNAMIC"], **meta)
     else:
         _hstu_fwd_ws_kernel[(n_items, )](
             q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt,
