@@ -19,6 +19,11 @@ patterns: dict[str, bool] = {"attention": True, "preprocess": True, "output": Tr
 #: Use the Triton kernels for CUDA tensors ("auto": when triton imports); "off" runs the reference.
 kernels: str = os.environ.get("HSTU_INDUCTOR_KERNELS", "auto")
 
+#: The attention forward on sm90 GPUs: "auto" runs the warp-specialised Gluon kernel (kernels/gluon_attention.py)
+#: for calls in its scope (bf16/fp16, D = 128, causal, optional targets, no other mask option or bias; not under
+#: torch.export / AOTInductor), "off" always the Triton kernel. See ops/_gluon.py and docs/gluon_forward.md.
+gluon: str = os.environ.get("HSTU_INDUCTOR_GLUON", "auto")
+
 #: Deterministic attention backward (no atomics); slower.
 deterministic: bool = os.environ.get("HSTU_INDUCTOR_DETERMINISTIC", "0") == "1"
 
@@ -61,7 +66,7 @@ rab_tables: bool = os.environ.get("HSTU_INDUCTOR_RAB_TABLES", "1") == "1"
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"
 
-_VALID = {"tma": ("auto", "on", "off"), "kernels": ("auto", "off"), "block_backward": ("save", "recompute"),
+_VALID = {"tma": ("auto", "on", "off"), "kernels": ("auto", "off"), "gluon": ("auto", "off"), "block_backward": ("save", "recompute"),
           "check_inputs": ("auto", "always", "off")}
 
 
@@ -78,7 +83,8 @@ def validate() -> None:
 
 def snapshot() -> dict:
     """The current options, e.g. for cache keys and reports."""
-    return {"tma": tma, "patterns": dict(patterns), "kernels": kernels, "deterministic": deterministic,
+    return {"tma": tma, "patterns": dict(patterns), "kernels": kernels, "gluon": gluon,
+            "deterministic": deterministic,
             "block_backward": block_backward, "check_inputs": check_inputs, "strict": strict,
             "specialize_features": specialize_features, "capture_dynamic_shape_ops": capture_dynamic_shape_ops,
             "rab_tables": rab_tables}

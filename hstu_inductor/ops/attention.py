@@ -42,6 +42,7 @@ from .. import config
 from .._compat import plain_eager
 from ..reference import (delta_hstu_mha, hstu_mha, hstu_mha_backward, relative_bias, relative_bias_backward,
                          validate_attention_inputs, validate_rab_intervals, validate_rab_tables)
+from . import _gluon
 from ._checks import check_jagged_values
 from ._kernels import cuda_kernels
 
@@ -102,6 +103,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
     check_jagged_values(seq_offsets, k.shape[0], max_seq_len, num_targets)
     kern = _kernels_for(q)
     if kern is not None:
+        how = _gluon.route(q, k, v, num_targets, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len,
+                           causal, not plain)
+        if how == "direct":
+            return _gluon.direct(q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+        if how == "op":
+            return torch.ops.hstu._gluon_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
         return kern.hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
                                        max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, tma=_tma(),
                                        **_bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds))
