@@ -58,10 +58,13 @@ check_inputs: str = os.environ.get("HSTU_INDUCTOR_CHECK_INPUTS", "auto")
 #: unbacked size. False: Dynamo's default (the break; ``explain()`` reports it).
 capture_dynamic_shape_ops: bool = os.environ.get("HSTU_INDUCTOR_CAPTURE_DYNAMIC_SHAPE_OPS", "1") == "1"
 
-#: A bias proven to be the original HSTU's position / bucketed-time tables goes to the attention op's
-#: in-kernel table bias (``timestamps, pos_w, ts_w, ts_bounds``: no N x N bias in memory). False:
-#: every bias is passed as the dense ``rab`` the user's graph computes (docs/patterns.md, path (b)).
-rab_tables: bool = os.environ.get("HSTU_INDUCTOR_RAB_TABLES", "1") == "1"
+#: True: a bias proven to be the original HSTU's position / bucketed-time tables goes to the attention
+#: op's in-kernel table bias (``timestamps, pos_w, ts_w, ts_bounds``: no N x N bias in memory). False
+#: (default): every bias is passed as the dense ``rab`` the user's graph computes. Off by default
+#: because the in-kernel path is still the slower one: on the H100 (B=128, N=1024, fwd+bwd) 30.9 ms
+#: against 5.1 ms for the dense [B, 1, N, N] rab, which needs +1256 MiB against +488 MiB
+#: (benchmarks/RESULTS.md, session 9). Turn it on where the N x N bias does not fit.
+rab_tables: bool = os.environ.get("HSTU_INDUCTOR_RAB_TABLES", "0") == "1"
 
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"

@@ -13,3 +13,11 @@ def fresh_dynamo():
     hstu_inductor.backend.register()  # reset() drops the Dynamo compile callbacks it installs
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _rab_tables_on(request):
+    """The rab pattern tests check the table route (path b), which ``config.rab_tables`` keeps off by
+    default (it is slower than the dense path today); tests that check the default patch it back."""
+    with hstu_inductor.config.patch(rab_tables=True):
+        yield
