@@ -1,7 +1,7 @@
 """Benchmark cached (delta) HSTU attention: the last D rows of every sequence attend to the whole cache.
 
 Providers, one process, same inputs (B sequences of lengths U[0.9N, N), H heads, bf16, causal):
-  * ``ours``      ``kernels.delta_hstu_attention_fwd`` on ``delta_q: [B*D, H, Dq]`` (key range split
+  * ``ours``      ``kernels.delta.delta_attention_fwd`` (what the op runs) on ``delta_q: [B*D, H, Dq]`` (key range split
                   across programs for D <= 128, kernels/delta.py); ``ours_rowblk``: the full forward's
                   row blocks, one program per (sequence, head, row block), as before issue 22;
                   ``split_cK``: kernels/delta.py with its config K (``--configs``);
@@ -70,7 +70,7 @@ def main():
             dq = q[rows].contiguous()
             want = dense[rows].float()
             flops = 2.0 * H * D * float(lengths.sum()) * (2 * Dm)
-            runs = {"ours": lambda: K.delta_hstu_attention_fwd(dq, k, v, off, N, alpha),
+            runs = {"ours": lambda: Kd.delta_attention_fwd(dq, k, v, off, N, alpha),
                     # before issue 22: the full forward's row blocks, one program per (sequence, head)
                     "ours_rowblk": lambda: K._fwd(dq, k, v, off, N, alpha, None, None, 0, 0, 0, True, D, None)}
             for cfg in args.configs:

@@ -1631,11 +1631,6 @@ def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num
         raise ValueError(f"delta_q rows {delta_q.shape[0]} not a multiple of B={B}")
     if D == 0:
         return delta_q.new_zeros((0, delta_q.shape[1], v.shape[2]))
-    from . import delta  # imports this module: loaded on first use
-
-    if D <= delta.max_delta_rows():  # few rows: the key range split across programs
-        return delta.delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
-                                   max_attn_len, contextual_seq_len)
     return _fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
                 contextual_seq_len, 0, True, D, tma)
 

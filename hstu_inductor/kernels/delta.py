@@ -28,7 +28,7 @@ from . import attention as A
 from .. import _compat
 from .common import address_source, interpret, launcher, new_tensor
 
-__all__ = ["delta_forward", "max_delta_rows", "choose_split"]
+__all__ = ["delta_attention_fwd", "delta_forward", "max_delta_rows", "choose_split"]
 
 # (BLOCK_N, num_stages, num_warps). Row blocks of 16-32 rows use mma.sync with K/V in registers: sm90
 # ptxas gives (32, 4, 8) 125 registers (two CTAs per SM), (64, 3, 8) 230, (64, 3, 4) 255 with spills;
@@ -147,6 +147,19 @@ def choose_split(programs: int, key_tiles: int, sms: int) -> int:
 
 def _block_m(rows: int) -> int:
     return max(16, A._pow2(rows))
+
+
+def delta_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
+                        max_attn_len=0, contextual_seq_len=0, *, tma=None) -> torch.Tensor:
+    """Cached attention (``attention.delta_hstu_attention_fwd``'s contract): the key-range split for up to
+    :func:`max_delta_rows` rows per sequence, the full forward's row blocks beyond."""
+    B = seq_offsets.shape[0] - 1
+    D = delta_q.shape[0] // B if B > 0 else 0
+    if B > 0 and 0 < D <= max_delta_rows() and D * B == delta_q.shape[0]:
+        return delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
+                             max_attn_len, contextual_seq_len)
+    return A.delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
+                                      max_attn_len, contextual_seq_len, tma=tma)
 
 
 def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,

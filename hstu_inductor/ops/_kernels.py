@@ -30,6 +30,23 @@ def _load_stu():
 
 
 @functools.cache
+def _load_delta():
+    try:
+        from ..kernels import delta
+    except Exception as e:  # same fallback as the attention kernels
+        log.warning("hstu_inductor: cached-attention Triton kernels unavailable (%s); the reference runs", e)
+        return None
+    return delta
+
+
+def delta_kernels():
+    """:mod:`hstu_inductor.kernels.delta` (cached attention), or None when disabled or unavailable."""
+    if config.kernels == "off":
+        return None
+    return _load_delta()
+
+
+@functools.cache
 def _load_checks():
     try:
         from ..kernels.checks import check_jagged

@@ -44,7 +44,7 @@ from ..reference import (delta_hstu_mha, hstu_mha, hstu_mha_backward, relative_b
                          validate_attention_inputs, validate_rab_intervals, validate_rab_tables)
 from . import _gluon
 from ._checks import check_jagged_values
-from ._kernels import cuda_kernels
+from ._kernels import cuda_kernels, delta_kernels
 
 __all__ = ["attention", "attention_bwd", "attention_bwd_rab", "attention_bwd_bias", "delta_attention"]
 
@@ -56,6 +56,11 @@ def _tma():
 def _kernels_for(t: Tensor):
     """The kernels module when ``t`` lives on CUDA and kernels are enabled, else None."""
     return cuda_kernels() if t.device.type == "cuda" else None
+
+
+def _delta_kernels_for(t: Tensor):
+    """The cached-attention kernels module (kernels/delta.py) when ``t`` lives on CUDA, else None."""
+    return delta_kernels() if t.device.type == "cuda" else None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -273,9 +278,9 @@ def delta_attention(delta_q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, 
     B = seq_offsets.shape[0] - 1
     check_jagged_values(seq_offsets, k.shape[0], max_seq_len, num_targets,
                         min_length=delta_q.shape[0] // B if B > 0 else 0)
-    kern = _kernels_for(delta_q)
+    kern = _delta_kernels_for(delta_q)
     if kern is not None:
-        return kern.delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets,
+        return kern.delta_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets,
                                              attn_scale, max_attn_len, contextual_seq_len, tma=_tma())
     return delta_hstu_mha(max_seq_len, alpha, delta_q, k, v, seq_offsets, num_targets, attn_scale, max_attn_len,
                           contextual_seq_len).contiguous()
