@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .. import config
 from .._compat import guarded, plain_eager
+from ._kernels import load
 
 log = logging.getLogger("hstu_inductor")
 
@@ -38,14 +39,9 @@ _D = 128
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-@functools.cache
 def _module():
-    try:
-        from ..kernels import gluon_attention
-    except Exception as e:  # no triton.experimental.gluon (other Triton versions): the Triton kernel runs
-        log.info("hstu_inductor: Gluon attention forward unavailable (%s)", e)
-        return None
-    return gluon_attention
+    # no triton.experimental.gluon (other Triton versions): the Triton kernel runs
+    return load("gluon_attention", "Gluon attention forward", "the Triton kernel runs", logging.INFO)
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 
 from .. import config
@@ -10,69 +11,38 @@ log = logging.getLogger("hstu_inductor")
 
 
 @functools.cache
-def _load():
+def load(name: str, what: str, fallback: str, level: int = logging.WARNING):
+    """``hstu_inductor.kernels.<name>``, imported once; None when it cannot be imported (Triton missing or
+    broken: ``fallback`` still computes the right answer), said once in the log."""
     try:
-        from ..kernels import attention as kernels
-    except Exception as e:  # triton missing or broken: the reference still computes the right answer
-        log.warning("hstu_inductor: Triton kernels unavailable (%s); CUDA ops run the eager reference", e)
+        return importlib.import_module(f"..kernels.{name}", __package__)
+    except Exception as e:
+        log.log(level, "hstu_inductor: %s unavailable (%s); %s", what, e, fallback)
         return None
-    return kernels
 
 
-@functools.cache
-def _load_stu():
-    try:
-        from ..kernels import stu_blocks
-    except Exception as e:  # same fallback as the attention kernels
-        log.warning("hstu_inductor: STU Triton kernels unavailable (%s); CUDA ops run the ATen bodies", e)
-        return None
-    return stu_blocks
+def _enabled(name: str, what: str, fallback: str):
+    """:func:`load`, or None when the Triton kernels are disabled (``config.kernels == "off"``)."""
+    return None if config.kernels == "off" else load(name, what, fallback)
 
 
-@functools.cache
-def _load_delta():
-    try:
-        from ..kernels import delta
-    except Exception as e:  # same fallback as the attention kernels
-        log.warning("hstu_inductor: cached-attention Triton kernels unavailable (%s); the reference runs", e)
-        return None
-    return delta
+def cuda_kernels():
+    """The attention kernels module, or None when disabled or unavailable."""
+    return _enabled("attention", "Triton kernels", "CUDA ops run the eager reference")
 
 
 def delta_kernels():
     """:mod:`hstu_inductor.kernels.delta` (cached attention), or None when disabled or unavailable."""
-    if config.kernels == "off":
-        return None
-    return _load_delta()
+    return _enabled("delta", "cached-attention Triton kernels", "the reference runs")
 
 
-@functools.cache
-def _load_checks():
-    try:
-        from ..kernels.checks import check_jagged
-    except Exception as e:  # same fallback: the ATen spelling of the checks (ops/_checks.py)
-        log.warning("hstu_inductor: fused check kernel unavailable (%s); input checks use ATen ops", e)
-        return None
-    return check_jagged
+def stu_kernels():
+    """The fused STU block kernels module (:mod:`hstu_inductor.kernels.stu_blocks`), or None."""
+    return _enabled("stu_blocks", "STU Triton kernels", "CUDA ops run the ATen bodies")
 
 
 def fused_check():
     """``kernels.checks.check_jagged`` (all jagged value checks in one launch), or None when the Triton
     kernels are disabled or unavailable."""
-    if config.kernels == "off":
-        return None
-    return _load_checks()
-
-
-def stu_kernels():
-    """The fused STU block kernels module (:mod:`hstu_inductor.kernels.stu_blocks`), or None."""
-    if config.kernels == "off":
-        return None
-    return _load_stu()
-
-
-def cuda_kernels():
-    """The kernels module, or None when disabled (``config.kernels == "off"``) or unavailable."""
-    if config.kernels == "off":
-        return None
-    return _load()
+    mod = _enabled("checks", "fused check kernel", "input checks use ATen ops")
+    return None if mod is None else mod.check_jagged
