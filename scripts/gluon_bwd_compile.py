@@ -58,7 +58,7 @@ def compile_variant(kernel: str, cfg: dict, has_tgt=True, dtype="bf16"):
         sig |= {"DQ": f"*{dtype}", "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32"} | scalars \
             | {"out_scale": "fp32"}
         consts = dict(common, BLOCK_N=BN, KSTAGES=cfg["DQ_KSTAGES"], VSTAGES=cfg["DQ_VSTAGES"],
-                      OVERLAP=cfg["OVERLAP"])
+                      OVERLAP=cfg["OVERLAP"], REGS=cfg["DQ_REGS"])
         div16 = ("DQ", "SEQ_OFFSETS", "NUM_TARGETS", "stride_om", "H", "ROWS", "MAX_N")
     for k in consts:
         sig[k] = "constexpr"

@@ -25,6 +25,8 @@ VARIANTS = {
     "kv3": dict(KV_STAGES=3),
     "dq_k2v2": dict(DQ_KSTAGES=2, DQ_VSTAGES=2),
     "dq_k3v3": dict(DQ_KSTAGES=3, DQ_VSTAGES=3),
+    "dq_regs": dict(DQ_REGS=True),
+    "dq_regs_noovl": dict(DQ_REGS=True, OVERLAP=False),
 }
 
 

@@ -80,6 +80,8 @@ GLUON_BWD_CONFIG = dict(
     KV_STAGES=2,         # dK/dV kernel: depth of the Q and dO rings
     PINGPONG=True,       # order the two consumer warpgroups' GEMM issue with the turn barriers (both kernels)
     OVERLAP=True,        # dQ kernel: silu backward of tile t under dQ += dS_{t-1} K_{t-1}
+    DQ_REGS=False,       # dQ kernel: Q and dO as register A operands of S and dP (half the shared-memory operand
+                         # traffic of those wgmmas, 64 more registers)
     DYNAMIC=True,        # items from a global counter (False: strided over the CTAs)
     CONSUMER_REGS=240,
     PRODUCER_REGS=24,
@@ -210,7 +212,7 @@ def _release_res(res_empty, rb):
 @gluon.jit
 def _dq_tiles(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me, turn_other, c0, tph, m0, n, M,
               n_all, half_alpha, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+              HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, REGS: gl.constexpr):
     """One warpgroup's rows [m0, m0 + BLOCK_M) against key tiles 0 .. n_all - 1 (ring slots c0, c0 + 1, ...).
     Returns the unscaled fp32 dQ accumulator and the turn parity."""
     dtype: gl.constexpr = q.dtype
@@ -235,6 +237,9 @@ def _dq_tiles(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me
     fe = gl.minimum(P0 // BLOCK_N, n_tiles)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    if REGS:  # register A operands (loaded once per item)
+        q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        do = do.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
 
     # ---- tile 0: S_0, dP_0, dS_0
     ks = c0 % KS
@@ -315,7 +320,7 @@ def _dq_tiles(q, do, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_me
 def _dq_consumer(o_desc, q_smem, do_smem, k_smem, v_smem, res_ready, res_empty, k_ready, k_empty, v_ready, v_empty,
                  turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, N_BLOCKS, n_items, half_alpha, out_scale, sched,
                  WG: gl.constexpr, BLOCK_N: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                 OVERLAP: gl.constexpr, DYNAMIC: gl.constexpr):
+                 OVERLAP: gl.constexpr, DYNAMIC: gl.constexpr, REGS: gl.constexpr):
     RM: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
     CTA_M: gl.constexpr = 2 * RM
@@ -339,7 +344,7 @@ def _dq_consumer(o_desc, q_smem, do_smem, k_smem, v_smem, res_ready, res_empty, 
             q = q_smem.index(2 * rb + WG)
             acc, tph = _dq_tiles(q, do_smem.index(2 * rb + WG), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                  turn.index(WG), turn.index(1 - WG), c, tph, m0, n, M, n_tiles, half_alpha,
-                                 RM, BLOCK_N, D, HAS_TGT, PINGPONG, OVERLAP)
+                                 RM, BLOCK_N, D, HAS_TGT, PINGPONG, OVERLAP, REGS)
             c += n_tiles
             i += 1
             # every wgmma reading q is complete (waits + thread barrier in _dq_tiles): q stages the output
@@ -355,20 +360,20 @@ def _dq_consumer(o_desc, q_smem, do_smem, k_smem, v_smem, res_ready, res_empty, 
 def _dq_consumer_default(o_desc, q_smem, do_smem, k_smem, v_smem, res_ready, res_empty, k_ready, k_empty, v_ready,
                          v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, N_BLOCKS, n_items, half_alpha,
                          out_scale, sched, BLOCK_N: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                         OVERLAP: gl.constexpr, DYNAMIC: gl.constexpr):
+                         OVERLAP: gl.constexpr, DYNAMIC: gl.constexpr, REGS: gl.constexpr):
     _dq_consumer(o_desc, q_smem, do_smem, k_smem, v_smem, res_ready, res_empty, k_ready, k_empty, v_ready, v_empty,
                  turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, N_BLOCKS, n_items, half_alpha, out_scale, sched,
-                 0, BLOCK_N, HAS_TGT, PINGPONG, OVERLAP, DYNAMIC)
+                 0, BLOCK_N, HAS_TGT, PINGPONG, OVERLAP, DYNAMIC, REGS)
 
 
 @gluon.jit
 def _dq_consumer_worker(o_desc, q_smem, do_smem, k_smem, v_smem, res_ready, res_empty, k_ready, k_empty, v_ready,
                         v_empty, turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, N_BLOCKS, n_items, half_alpha,
                         out_scale, sched, BLOCK_N: gl.constexpr, HAS_TGT: gl.constexpr, PINGPONG: gl.constexpr,
-                        OVERLAP: gl.constexpr, DYNAMIC: gl.constexpr):
+                        OVERLAP: gl.constexpr, DYNAMIC: gl.constexpr, REGS: gl.constexpr):
     _dq_consumer(o_desc, q_smem, do_smem, k_smem, v_smem, res_ready, res_empty, k_ready, k_empty, v_ready, v_empty,
                  turn, O, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, N_BLOCKS, n_items, half_alpha, out_scale, sched,
-                 1, BLOCK_N, HAS_TGT, PINGPONG, OVERLAP, DYNAMIC)
+                 1, BLOCK_N, HAS_TGT, PINGPONG, OVERLAP, DYNAMIC, REGS)
 
 
 @gluon.jit
@@ -376,7 +381,8 @@ def _hstu_bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, DQ, SEQ_OFF
                            stride_om, H, ROWS, MAX_N, N_BLOCKS, n_items, half_alpha, out_scale,
                            HAS_TGT: gl.constexpr, BLOCK_N: gl.constexpr, KSTAGES: gl.constexpr,
                            VSTAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                           DYNAMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                           DYNAMIC: gl.constexpr, REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr):
     RM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -412,11 +418,11 @@ def _hstu_bwd_dq_ws_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, DQ, SEQ_OFF
         (_dq_consumer_default, (dq_desc, q_smem, do_smem, k_smem, v_smem, res_ready, res_empty, k_ready, k_empty,
                                 v_ready, v_empty, turn, DQ, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N,
                                 N_BLOCKS, n_items, half_alpha, out_scale, (COUNTER, item_smem, item_ready, item_empty),
-                                BLOCK_N, HAS_TGT, PINGPONG, OVERLAP, DYNAMIC)),
+                                BLOCK_N, HAS_TGT, PINGPONG, OVERLAP, DYNAMIC, REGS)),
         (_dq_consumer_worker, (dq_desc, q_smem, do_smem, k_smem, v_smem, res_ready, res_empty, k_ready, k_empty,
                                v_ready, v_empty, turn, DQ, stride_om, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N,
                                N_BLOCKS, n_items, half_alpha, out_scale, (COUNTER, item_smem, item_ready, item_empty),
-                               BLOCK_N, HAS_TGT, PINGPONG, OVERLAP, DYNAMIC)),
+                               BLOCK_N, HAS_TGT, PINGPONG, OVERLAP, DYNAMIC, REGS)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, res_ready, res_empty,
                          k_ready, k_empty, v_ready, v_empty, SEQ_OFFSETS, NUM_TARGETS, H, ROWS, MAX_N, N_BLOCKS, n_items,
                          (COUNTER, item_smem, item_ready, item_empty), BLOCK_N, HAS_TGT, DYNAMIC, False)),
@@ -710,5 +716,5 @@ def gluon_backward(grad, q, k, v, seq_offsets, max_seq_len: int, alpha: float, n
         _hstu_bwd_dq_ws_kernel[grid](
             *descs, dq, seq_offsets, tgt, counters[1:2], dq.stride(0), H, L, max_seq_len, n_blocks, n_items, half_alpha,
             float(alpha) * scale, BLOCK_N=BN, KSTAGES=cfg["DQ_KSTAGES"], VSTAGES=cfg["DQ_VSTAGES"],
-            OVERLAP=cfg["OVERLAP"], **common)
+            OVERLAP=cfg["OVERLAP"], REGS=cfg["DQ_REGS"], **common)
     return dq, dk, dv

@@ -255,9 +255,8 @@ CONFIGS = {
     "nopp": dict(PINGPONG=False),
     "nooverlap": dict(OVERLAP=False),
     "static": dict(DYNAMIC=False),
-    "nopp_nooverlap": dict(PINGPONG=False, OVERLAP=False),
-    "dq_k2v2": dict(DQ_KSTAGES=2, DQ_VSTAGES=2),
     "kv3": dict(KV_STAGES=3),
+    "dq_regs_noovl": dict(DQ_REGS=True, OVERLAP=False),
 }
 
 
