@@ -81,7 +81,16 @@ def sass_stats(cubin: bytes) -> str:
     sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
     regs = [int(r) for r in re.findall(r"\bR(\d+)\b", sass)]
-    return (f"maxR={max(regs) if regs else '?'} HGMMA={len(re.findall(r'HGMMA', sass))} "
+    # innermost loops (a backward branch with no other backward branch inside) that issue HGMMA: the tile loops;
+    # spill instructions inside them are what costs (spills of per-item values outside them are cheap)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,6})\*/\s+([^;]*);", sass)]
+    loops = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"BRA (?:!?U?P\d, )?0x([0-9a-f]+)", t)]
+             if m and int(m.group(1), 16) < a]
+    inner = [(lo, hi) for lo, hi in loops if not any(lo <= l2 and h2 <= hi and (l2, h2) != (lo, hi) for l2, h2 in loops)]
+    tile_loops = [(lo, hi) for lo, hi in inner if any(lo <= a <= hi and "HGMMA" in t for a, t in ins)]
+    loop_spills = sum(1 for lo, hi in tile_loops for a, t in ins if lo <= a <= hi and ("STL" in t or "LDL" in t))
+    return (f"maxR={max(regs) if regs else '?'} tile_loops={len(tile_loops)} spill_ops_in_tile_loops={loop_spills} "
+            f"HGMMA={len(re.findall(r'HGMMA', sass))} "
             f"MUFU.TANH={len(re.findall(r'MUFU.TANH', sass))} BAR.SYNC={len(re.findall(r'BAR.SYNC', sass))} "
             f"STL={len(re.findall(r'STL', sass))} LDL={len(re.findall(r'LDL', sass))}"), sass
 
