@@ -12,6 +12,8 @@ Writes ``attention.csv`` and ``attention.png`` under ``--out`` (default ``$OUT``
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import csv
 import math
 import os
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # descriptor / pointer variants; triton_tma_det: deterministic=True.
 STATIC = False  # --static: compile the hstu_backend provider with dynamic=False
 
-PROVIDERS = ["eager", "inductor", "hstu_backend", "triton_auto", "triton_tma", "triton_ptr", "triton_tma_det"]
+PROVIDERS = ["eager", "inductor", "hstu_backend", "hstu_op", "triton_auto", "triton_tma", "triton_ptr", "triton_tma_det"]
 # The anchor (issue 12): generative-recommenders' Triton kernels, TMA and pointer variants, imported from
 # a copy of its repository that is not part of this project (HSTU_ANCHOR_PATH, default ./.anchor; see
 # benchmarks/README or RESULTS.md for how it is made). They get contiguous q/k/v (their TMA path needs it).
@@ -115,8 +117,9 @@ def build_provider(name, N, alpha, num_targets):
                 if not first[0]:
                     return compiled(q, k, v, off, num_targets)
                 first[0] = False
-                with collecting() as report:
+                with collecting() as report, _gluon_spy() as gluon:
                     out = compiled(q, k, v, off, num_targets)
+                print(f"hstu_backend N={N}: first call ran {_kernel_names(gluon)}", flush=True)
                 # a backend that silently fell back to stock Inductor would be timed as "ours"
                 if report.counts.get("attention", 0) != 1:
                     print(report, flush=True)
@@ -155,6 +158,25 @@ def build_provider(name, N, alpha, num_targets):
 
         return gfwd, gmake_bwd
 
+    if name == "hstu_op":  # the registered op, eager (Gluon where in scope, else the Triton kernels)
+        import hstu_inductor  # noqa: F401
+
+        def ofwd(q, k, v, off):
+            with _gluon_spy() as gluon:
+                out = torch.ops.hstu.attention(q, k, v, off, N, alpha, num_targets)
+            if not _seen_op[0]:
+                _seen_op[0] = True
+                print(f"hstu_op N={N}: forward ran {_kernel_names(gluon)}", flush=True)
+            return out
+
+        def omake_bwd(q, k, v, off, dout):
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            out = torch.ops.hstu.attention(qq, kk, vv, off, N, alpha, num_targets)
+            return lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True)
+
+        _seen_op[0] = False
+        return ofwd, omake_bwd
+
     from hstu_inductor.kernels import attention as K
 
     tma = {"triton_auto": None, "triton_ptr": False}.get(name, True)
@@ -168,6 +190,39 @@ def build_provider(name, N, alpha, num_targets):
                                             deterministic=det)
 
     return kfwd, kmake_bwd
+
+
+_seen_op = [False]
+
+
+@contextlib.contextmanager
+def _gluon_spy():
+    """Count calls of the Gluon kernels' entry points (forward, and backward where it exists), so the
+    table says which kernel a provider really ran."""
+    calls = {}
+    patched = []
+    for mod_name, fn_name in (("gluon_attention", "gluon_forward"), ("gluon_backward", "gluon_backward")):
+        try:
+            mod = importlib.import_module(f"hstu_inductor.kernels.{mod_name}")
+        except Exception:  # no Gluon in this Triton, or no such kernel yet
+            continue
+        real = getattr(mod, fn_name)
+
+        def counting(*a, _real=real, _n=fn_name, **kw):
+            calls[_n] = calls.get(_n, 0) + 1
+            return _real(*a, **kw)
+
+        setattr(mod, fn_name, counting)
+        patched.append((mod, fn_name, real))
+    try:
+        yield calls
+    finally:
+        for mod, fn_name, real in patched:
+            setattr(mod, fn_name, real)
+
+
+def _kernel_names(calls):
+    return ", ".join(f"{k} x{v}" for k, v in calls.items()) or "the Triton kernels only"
 
 
 def reference_fwd(q, k, v, off, nt, N, alpha, rows_per_chunk=2 ** 16):

@@ -82,10 +82,6 @@ def _model(N, alpha):
     return f
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "measured on the H100 (torch 2.11, session 9): under backend='hstu' the rewritten graph runs the "
-    "Triton forward; hstu::_gluon_fwd is never called (ops/_gluon.route returns None when traced). "
-    "Eager calls do use the Gluon kernel"))
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce_overhead"])
 def test_compiled_backend_uses_gluon(spy, mode):
     q, k, v, off, nt, N = _batch()

@@ -35,7 +35,7 @@ import torch
 from .. import config
 from . import attn_delta, buffers, generalize
 from . import attn_layout as lay
-from .attn_emit import describe, rewrite
+from .attn_emit import describe, fold_default_scale, rewrite
 from .attn_find import BMM, find_score_product, is_square
 from .attn_prove import prove
 from .prover import Decline
@@ -105,6 +105,8 @@ def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
             attn_delta.rewrite_delta(gm, plan)
         elif generalised is None:
             rewrite(gm, plan)
+        else:
+            fold_default_scale(gm)
         consumed |= {node, S}
         report.counts["attention"] += 1
         what = attn_delta.describe_delta(plan) if delta else describe(plan)

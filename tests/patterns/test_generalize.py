@@ -59,6 +59,10 @@ def test_production_static_sizes_rewritten(name, monkeypatch):
     assert "static sizes generalised" in report.details[0][1]
     (op,) = _ops(gm, torch.ops.hstu.attention.default)
     assert op.args[4] == 4096  # the op gets the real, static N back
+    # the literal 1/4096 is the op's default 1/N at the real N (fold_default_scale): no scale tensor,
+    # which the Gluon forward requires
+    scale = op.args[7] if len(op.args) > 7 else op.kwargs.get("attn_scale")
+    assert scale is None, scale
     logging.getLogger("hstu_inductor").info("%s: proof at B=128 N=4096 took %.2f s", name, secs)
 
 
