@@ -19,9 +19,11 @@ patterns: dict[str, bool] = {"attention": True, "preprocess": True, "output": Tr
 #: Use the Triton kernels for CUDA tensors ("auto": when triton imports); "off" runs the reference.
 kernels: str = os.environ.get("HSTU_INDUCTOR_KERNELS", "auto")
 
-#: The attention forward on sm90 GPUs: "auto" runs the warp-specialised Gluon kernel (kernels/gluon_attention.py)
-#: for calls in its scope (bf16/fp16, D = 128, causal, optional targets, no other mask option or bias; not under
-#: torch.export / AOTInductor), "off" always the Triton kernel. See ops/_gluon.py and docs/gluon_forward.md.
+#: The attention forward and backward on sm90 GPUs: "auto" runs the warp-specialised Gluon kernels
+#: (kernels/gluon_attention.py, kernels/gluon_backward.py) for calls in their scope (bf16/fp16, D = 128, causal,
+#: optional targets, no other mask option or bias, no attn_scale gradient; not under torch.export / AOTInductor),
+#: "off" always the Triton kernels. One switch for both (they compute the Triton kernels' results bitwise).
+#: See ops/_gluon.py, docs/gluon_forward.md and docs/gluon_backward.md.
 gluon: str = os.environ.get("HSTU_INDUCTOR_GLUON", "auto")
 
 #: Deterministic attention backward (no atomics); slower.

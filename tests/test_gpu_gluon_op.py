@@ -1,7 +1,8 @@
-"""``hstu::attention`` with the Gluon forward (config.gluon="auto") against the Triton forward ("off") on an sm90 GPU:
-eager, under torch.compile(backend="hstu") on plain-PyTorch attention, and with mode="reduce-overhead" (CUDA
-graphs). The fp32-silu Gluon kernel computes bitwise what the Triton kernel computes (H100, batches 1-2), so
-outputs are compared for equality; a spy checks that the Gluon kernel really ran (or did not).
+"""``hstu::attention`` / ``hstu::attention_bwd`` with the Gluon kernels (config.gluon="auto") against the Triton
+kernels ("off") on an sm90 GPU: eager, under torch.compile(backend="hstu") on plain-PyTorch attention (inference and
+a training step), and with mode="reduce-overhead" (CUDA graphs). The fp32-silu Gluon forward and the Gluon backward
+compute bitwise what the Triton kernels compute (H100: forward batches 1-2, backward GPU_RESULTS.md), so results
+are compared for equality; spies check that the Gluon kernels really ran (or did not).
 """
 from __future__ import annotations
 
@@ -28,6 +29,21 @@ def spy(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(ga, "gluon_forward", counting)
+    return calls
+
+
+@pytest.fixture
+def bwd_spy(monkeypatch):
+    from hstu_inductor.kernels import gluon_backward as gb
+
+    calls = []
+    real = gb.gluon_backward
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gb, "gluon_backward", counting)
     return calls
 
 
@@ -63,17 +79,38 @@ def test_op_out_of_scope_keeps_triton(spy):
     assert not spy
 
 
-def test_op_backward_unchanged():
-    q, k, v, off, nt, N = _batch()
-    grads = []
-    for mode in ("off", "auto"):
+@pytest.mark.parametrize("targets", [True, False], ids=["targets", "causal"])
+def test_op_eager_backward_gluon_equals_triton(spy, bwd_spy, targets):
+    """An eager training step through the op: Gluon forward and backward ("auto") bitwise equal to the Triton
+    kernels ("off"), for either config.deterministic (the Gluon backward has no atomics)."""
+    q, k, v, off, nt, N = _batch(targets=targets)
+    dout = torch.randn(q.shape, device=q.device, dtype=q.dtype)
+    got = {}
+    for mode, det in (("off", True), ("auto", True), ("auto", False)):
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        with config.patch(gluon=mode):
+        with config.patch(gluon=mode, deterministic=det):
             out = torch.ops.hstu.attention(qq, kk, vv, off, N, 1.0 / 128, nt, None, 0, 0, 0, True)
-            out.backward(torch.ones_like(out))
-        grads.append((out.detach(), qq.grad, kk.grad, vv.grad))
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+            out.backward(dout)
+        got[mode, det] = (out.detach(), qq.grad, kk.grad, vv.grad)
+        if mode == "off":
+            assert not spy and not bwd_spy
+    assert len(spy) == 2 and len(bwd_spy) == 2
+    ref = got["off", True]
+    for key in (("auto", True), ("auto", False)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got[key], ref):
+            assert torch.equal(a, b), f"{key}: {name}"
+
+
+def test_op_backward_out_of_scope_keeps_triton(bwd_spy):
+    q, k, v, off, nt, N = _batch()
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = torch.ops.hstu.attention(qq, kk, vv, off, N, 1.0 / 128, nt, None, 8, 0, 0, True)  # window
+    out.backward(torch.ones_like(out))
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    scale = torch.full((), 1.0 / N, device=q.device, requires_grad=True)  # d attn_scale requested
+    out = torch.ops.hstu.attention(qq, kk, vv, off, N, 1.0 / 128, nt, scale, 0, 0, 0, True)
+    out.backward(torch.ones_like(out))
+    assert not bwd_spy
 
 
 def _model(N, alpha):
@@ -113,3 +150,45 @@ def test_compiled_backend_gluon_off(spy):
     # not bitwise: on the H100 the compiled launch and the eager one differed in the last bf16 bits of
     # a few elements (session 9), e.g. -1.4572e-03 against -1.4496e-03
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+def _train_step(fn, q, k, v, off, nt, dout):
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(qq, kk, vv, off, nt)
+    grads = torch.autograd.grad(out, (qq, kk, vv), dout)
+    return tuple(t.detach().clone() for t in (out, *grads))  # clones: CUDA-graph outputs are overwritten
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce_overhead"])
+def test_compiled_backend_training_uses_gluon_bwd(spy, bwd_spy, mode):
+    """A training step compiled with backend="hstu": the backward graph calls hstu::_gluon_bwd; out and grads
+    bitwise equal to the eager Triton kernels (gluon="off") and close to the compiled gluon="off" step."""
+    q, k, v, off, nt, N = _batch()
+    dout = torch.randn(q.shape, device=q.device, dtype=q.dtype)
+
+    def eager(q, k, v, off, nt):
+        return torch.ops.hstu.attention(q, k, v, off, N, 1.0 / 128, nt, None, 0, 0, 0, True)
+
+    with config.patch(gluon="off"):
+        ref = _train_step(eager, q, k, v, off, nt, dout)
+        torch._dynamo.reset()
+        off_step = _train_step(torch.compile(_model(N, 1.0 / 128), backend="hstu"), q, k, v, off, nt, dout)
+    assert not spy and not bwd_spy
+    torch._dynamo.reset()
+    kw = {} if mode is None else {"mode": mode}
+    fn = torch.compile(_model(N, 1.0 / 128), backend="hstu", **kw)
+    from hstu_inductor.report import collecting
+
+    with collecting() as report:
+        got = _train_step(fn, q, k, v, off, nt, dout)
+    assert report.counts.get("attention", 0) == 1, report
+    for _ in range(3):  # reduce-overhead: warm-up, record, replay
+        torch.compiler.cudagraph_mark_step_begin()
+        got = _train_step(fn, q, k, v, off, nt, dout)
+    torch.cuda.synchronize()
+    assert spy, "the compiled graph did not call the Gluon forward"
+    assert bwd_spy, "the compiled backward did not call the Gluon backward"
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, ref, off_step):
+        assert torch.equal(a, b), name
+        assert ((a.float() - c.float()).norm() / c.float().norm()).item() < 1e-2, name
+    torch._dynamo.reset()

@@ -1,5 +1,6 @@
-"""Routing of ``hstu::attention``'s CUDA forward to the warp-specialised Gluon kernel
-(:mod:`hstu_inductor.kernels.gluon_attention`) when the call is in its scope.
+"""Routing of ``hstu::attention``'s CUDA forward and ``hstu::attention_bwd``'s CUDA backward to the
+warp-specialised Gluon kernels (:mod:`hstu_inductor.kernels.gluon_attention`,
+:mod:`hstu_inductor.kernels.gluon_backward`) when the call is in their scope (one scope, :func:`_in_scope`).
 
 Scope: an sm90 GPU (exactly: wgmma/TMA/setmaxnreg), q/k/v bf16 or fp16 of one shape ``[L, H, 128]`` with unit
 stride on D, heads adjacent (``stride(1) == 128``) and 16-byte aligned base and row stride (TMA), causal, optional
@@ -8,12 +9,18 @@ table bias). ``config.gluon = "off"`` (env ``HSTU_INDUCTOR_GLUON=off``) turns it
 Triton kernel runs as before. Same results: the fp32-silu Gluon kernel was bitwise equal to the Triton kernel on
 H100 (docs/gluon_forward.md).
 
+The backward (:func:`route_bwd`) has the same scope and launch rules, plus: no ``attn_scale`` gradient (implied by
+no ``attn_scale``), ``grad`` of q's shape (any dtype and layout: ``gluon_backward`` casts it to q's dtype and copies
+it when its TMA view cannot address it; the autograd formula passes it contiguous). The Gluon backward computes
+the Triton backward's default "split" algorithm (no atomics, bitwise repeatable; bitwise equal to it on H100,
+docs/gluon_backward.md), so it serves both ``config.deterministic`` settings (False only allows atomics).
+
 How it is launched:
 
 * plain eager: directly (:func:`route` -> ``"direct"``);
-* traced (torch.compile, make_fx): through the opaque custom op ``hstu::_gluon_fwd`` (-> ``"op"``; it has a fake
-  impl, so Inductor calls it as an extern kernel from its Python wrapper). A Gluon kernel cannot go through
-  ``wrap_triton`` (Triton 3.6's ``triton_kernel_wrapper`` takes ``@triton.jit`` kernels);
+* traced (torch.compile, make_fx): through the opaque custom ops ``hstu::_gluon_fwd`` / ``hstu::_gluon_bwd``
+  (-> ``"op"``; they have fake impls, so Inductor calls them as extern kernels from its Python wrapper). A Gluon
+  kernel cannot go through ``wrap_triton`` (Triton 3.6's ``triton_kernel_wrapper`` takes ``@triton.jit`` kernels);
 * torch.export / AOTInductor / Inductor's C++ wrapper: never (-> None, the Triton kernel): an AOTI package runs
   without Python, so an opaque Python op could not run in it. Detected by ``torch.compiler.is_exporting()``,
   Inductor's ``cpp_wrapper`` option (AOTI sets it) and ``V.aot_compilation``.
@@ -33,7 +40,7 @@ from ._kernels import load
 
 log = logging.getLogger("hstu_inductor")
 
-__all__ = ["route", "gluon_fwd"]
+__all__ = ["route", "route_bwd", "gluon_fwd", "gluon_bwd"]
 
 _D = 128
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -42,6 +49,10 @@ _DTYPES = (torch.bfloat16, torch.float16)
 def _module():
     # no triton.experimental.gluon (other Triton versions): the Triton kernel runs
     return load("gluon_attention", "Gluon attention forward", "the Triton kernel runs", logging.INFO)
+
+
+def _bwd_module():
+    return load("gluon_backward", "Gluon attention backward", "the Triton backward runs", logging.INFO)
 
 
 @functools.cache
@@ -79,37 +90,65 @@ def _aot_or_export() -> bool:
         return True
 
 
+def _in_scope(q: Tensor, k: Tensor, v: Tensor, attn_scale: Optional[Tensor], max_attn_len: int,
+              contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool, has_bias: bool, module) -> bool:
+    """The Gluon kernels' scope (forward and backward alike); ``module`` loads the kernel module."""
+    if config.gluon == "off":
+        return False
+    if has_bias or attn_scale is not None or not causal:
+        return False
+    if not (isinstance(max_attn_len, int) and isinstance(contextual_seq_len, int)
+            and isinstance(min_full_attn_seq_len, int)):
+        return False  # symbolic mask sizes: keep the general kernel
+    if max_attn_len or contextual_seq_len or min_full_attn_seq_len:
+        return False
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return False
+    if not (guarded(q.shape[2] == _D) and guarded(v.shape[2] == _D) and guarded(k.shape[2] == _D)
+            and guarded(q.shape[1] == k.shape[1]) and guarded(v.shape[1] == q.shape[1])
+            and guarded(q.shape[0] == k.shape[0]) and guarded(v.shape[0] == q.shape[0])):
+        return False
+    if not _device_ok(q.device) or module() is None:
+        return False
+    return all(_layout_ok(t) for t in (q, k, v))
+
+
+def _launch_mode(*tensors) -> Optional[str]:
+    """``"direct"`` in plain eager, None under export / AOTI / the C++ wrapper, else ``"op"`` (traced)."""
+    if plain_eager(*tensors):
+        return "direct"
+    if _aot_or_export():
+        return None
+    return "op"
+
+
 def route(q: Tensor, k: Tensor, v: Tensor, num_targets: Optional[Tensor], attn_scale: Optional[Tensor],
           max_attn_len: int, contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool,
           has_bias: bool) -> Optional[str]:
     """How the forward of this call uses the Gluon kernel: ``"direct"`` (launch it), ``"op"`` (through
     ``hstu::_gluon_fwd``), or None (the Triton kernel)."""
-    if config.gluon == "off":
+    if not _in_scope(q, k, v, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, has_bias,
+                     _module):
         return None
-    if has_bias or attn_scale is not None or not causal:
+    return _launch_mode(q, k, v, num_targets)
+
+
+def route_bwd(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, num_targets: Optional[Tensor],
+              attn_scale: Optional[Tensor], max_attn_len: int, contextual_seq_len: int, min_full_attn_seq_len: int,
+              causal: bool, has_bias: bool, need_scale_grad: bool) -> Optional[str]:
+    """:func:`route` for the backward: ``"direct"``, ``"op"`` (through ``hstu::_gluon_bwd``) or None (the Triton
+    backward). ``has_bias``: rab, intervals or table bias given."""
+    if need_scale_grad or grad.dim() != 3:
         return None
-    if not (isinstance(max_attn_len, int) and isinstance(contextual_seq_len, int)
-            and isinstance(min_full_attn_seq_len, int)):
-        return None  # symbolic mask sizes: keep the general kernel
-    if max_attn_len or contextual_seq_len or min_full_attn_seq_len:
+    if not (guarded(grad.shape[0] == q.shape[0]) and guarded(grad.shape[1] == q.shape[1])
+            and guarded(grad.shape[2] == q.shape[2])):
         return None
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if not _in_scope(q, k, v, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, has_bias,
+                     _bwd_module):
         return None
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        return None
-    if not (guarded(q.shape[2] == _D) and guarded(v.shape[2] == _D) and guarded(k.shape[2] == _D)
-            and guarded(q.shape[1] == k.shape[1]) and guarded(v.shape[1] == q.shape[1])
-            and guarded(q.shape[0] == k.shape[0]) and guarded(v.shape[0] == q.shape[0])):
-        return None
-    if not _device_ok(q.device) or _module() is None:
-        return None
-    if not all(_layout_ok(t) for t in (q, k, v)):
-        return None
-    if plain_eager(q, k, v, num_targets):
-        return "direct"
-    if _aot_or_export():
-        return None
-    return "op"
+    return _launch_mode(grad, q, k, v, num_targets)
 
 
 def direct(q, k, v, seq_offsets, max_seq_len, alpha, num_targets):
@@ -126,3 +165,23 @@ def gluon_fwd(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
 @gluon_fwd.register_fake
 def _(q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+
+
+def backward(how: str, grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets):
+    """``(dq, dk, dv)`` by the Gluon backward, launched as :func:`route_bwd` said (``"direct"`` / ``"op"``)."""
+    if how == "direct":
+        return _bwd_module().gluon_backward(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+    return torch.ops.hstu._gluon_bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+
+
+@torch.library.custom_op("hstu::_gluon_bwd", mutates_args=())
+def gluon_bwd(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int, alpha: float,
+              num_targets: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The Gluon backward as an opaque op (what traced calls of ``hstu::attention_bwd`` record)."""
+    dq, dk, dv = _bwd_module().gluon_backward(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+    return dq, dk, dv
+
+
+@gluon_bwd.register_fake
+def _(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)

@@ -11,6 +11,9 @@ reference. Because they are triton_ops:
   package) contains our Triton kernels - or, on CPU, plain ATen - and no call back into Python;
 * the body doubles as the fake (meta) implementation, so it only uses shapes, never data.
 
+On sm90 GPUs the CUDA forward and backward run the warp-specialised Gluon kernels for calls in their scope
+(:mod:`._gluon`: causal, optional targets, D = 128, 16-bit, no other mask option or bias).
+
 The forward ops check the values of the jagged inputs in a way that survives compilation
 (:mod:`._checks`, ``config.check_inputs``); the backward op trusts the offsets its forward checked.
 
@@ -160,7 +163,14 @@ def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale
     need_rab = need_rab_grad and rab is not None
     empty = lambda: q.new_empty(0)  # noqa: E731  (a fresh one per output: outputs may not alias)
     kern = None if need_scale_grad else _kernels_for(q)
-    if kern is not None:
+    has_bias = not all(t is None for t in (rab, intervals, timestamps, pos_w, ts_w, ts_bounds))
+    how = None if kern is None else _gluon.route_bwd(
+        grad, q, k, v, num_targets, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal,
+        has_bias, need_scale_grad)
+    if how is not None:  # no bias in scope: no d_rab / table gradients to return
+        dq, dk, dv = _gluon.backward(how, grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+        d_scale, d_rab, d_pos, d_ts = empty(), None, None, None
+    elif kern is not None:
         extra = _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds)
         if rab is not None or intervals is not None:
             extra["rab_grad"] = need_rab
