@@ -337,7 +337,10 @@ def main():
                         fl = f_fwd
                     else:
                         step = make_bwd(q, k, v, off, dout)
-                        got = step()
+                        with _gluon_spy() as gluon:
+                            got = step()
+                        if prov in ("hstu_backend", "hstu_op"):  # which backward the timed step runs
+                            print(f"{prov} N={N}: first backward ran {_kernel_names(gluon)}", flush=True)
                         if args.check and not baseline:
                             # against an independent dQ computation: the deterministic split kernels, or
                             # (for the deterministic provider itself) the atomic kernel

@@ -231,9 +231,14 @@ def _check(B, N, H, dtype, layout, targets, alpha, seed, config=None, tol=TOL):
     return got
 
 
-@pytest.mark.parametrize("layout", ["fused", "contig"])
-@pytest.mark.parametrize("targets", [True, False], ids=["targets", "causal"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+# Each (dtype, targets) pair is its own kernel compile; the layout only changes the descriptors' strides, so the
+# four cases below cover both dtypes, both layouts and both mask kinds with four compiles instead of eight.
+SMALL = [(torch.bfloat16, True, "fused"), (torch.bfloat16, False, "contig"), (torch.float16, True, "contig"),
+         (torch.float16, False, "fused")]
+
+
+@pytest.mark.parametrize("dtype,targets,layout", SMALL, ids=["bf16-targets-fused", "bf16-causal-contig",
+                                                           "fp16-targets-contig", "fp16-causal-fused"])
 @pytest.mark.usefixtures("poison")
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm90 (Hopper) GPU")
@@ -241,21 +246,22 @@ def test_small(dtype, targets, layout):
     _check(12, 300, 2, dtype, layout, targets, 1.0 / 128, _seed())
 
 
-@pytest.mark.parametrize("N", [64, 128, 129, 1000, 2048])
+@pytest.mark.parametrize("N", [64, 129, 1000])
 @pytest.mark.usefixtures("poison")
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm90 (Hopper) GPU")
 def test_lengths(N):
-    """Lengths 0, 1, N-1, N and random; more items than SMs at the larger N (ring and buffer wrap-around)."""
+    """Lengths 0, 1, N-1, N and random: one tile (64), a partial second CTA block (129), and more items than SMs
+    (1000: 24 x 4 x 8 items; ring and buffer wrap-around)."""
     _check(24, N, 4, torch.bfloat16, "fused", True, 0.2, _seed())
 
 
+# Tuning variants other than the default (which every other test runs). The first H100 run (GPU_RESULTS.md) found
+# every variant bitwise equal to the Triton backward; these are the two runners-up of its benchmark. The rest
+# (nooverlap, kv3, stage counts, static scheduling) are covered by scripts/gluon_bwd_smoke.py, one subprocess and
+# timeout each.
 CONFIGS = {
-    "default": {},
     "nopp": dict(PINGPONG=False),
-    "nooverlap": dict(OVERLAP=False),
-    "static": dict(DYNAMIC=False),
-    "kv3": dict(KV_STAGES=3),
     "dq_regs_noovl": dict(DQ_REGS=True, OVERLAP=False),
 }
 
@@ -289,17 +295,18 @@ def test_large_targets_only_history():
         assert rel_err(x, t) < TOL, f"{name} seed={seed}: vs triton {rel_err(x, t):.2e}"
 
 
-@pytest.mark.parametrize("cfg", [{}, dict(PINGPONG=False), dict(DYNAMIC=False)], ids=["default", "nopp", "static"])
+@pytest.mark.parametrize("cfg", [{}, dict(PINGPONG=False)], ids=["default", "nopp"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm90 (Hopper) GPU")
 def test_repeat_bitwise(cfg):
-    """20 runs on the same inputs are bitwise equal (deterministic: no atomics; a race or a stale stage would show)."""
+    """5 runs on the same inputs are bitwise equal (deterministic: no atomics; a race or a stale stage would show).
+    More items than SMs, so every CTA takes several (the rings and the item ring wrap)."""
     from hstu_inductor.kernels.gluon_backward import gluon_backward
 
     seed = _seed()
     q, k, v, grad, off, nt = make_case(64, 1100, 4, 128, torch.bfloat16, seed, targets=True)
     first = gluon_backward(grad, q, k, v, off, 1100, 0.1, nt, config=cfg)
-    for i in range(20):
+    for i in range(5):
         again = gluon_backward(grad, q, k, v, off, 1100, 0.1, nt, config=cfg)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(a, b), f"run {i}: {name} differs, seed={seed}"
