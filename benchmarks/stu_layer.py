@@ -3,11 +3,19 @@
     python benchmarks/stu_layer.py --n 1024 2048 --out OUTDIR
 
 Layer (issue defaults): B=64, E=512, H=4, Dq=Dv=128, lengths ~ U[0.9N, N), 1..20 targets, bf16,
-training mode. For each provider: forward (no grad) and forward+backward time (``do_bench``
-medians), peak memory of a forward+backward step above what was allocated before it
-(``torch.cuda.max_memory_allocated``), and the relative error of the output and of dx against
-eager. The "floor" column is the layer's FLOPs at the GPU's dense bf16 peak (matmuls and the causal
+training mode. Every provider is first checked against our layer in eager: relative norm error of
+the output, dx and each parameter's gradient (``--tol``, default 2e-2 for bf16); a provider over it
+is reported WRONG and not timed (``--time-wrong`` times it, still flagged). Then for each provider:
+forward (no grad) and forward+backward time (``do_bench`` medians), peak memory of a
+forward+backward step above what was allocated before it (``torch.cuda.max_memory_allocated``).
+The "floor" column is the layer's FLOPs at the GPU's dense bf16 peak (matmuls and the causal
 attention), so ``ms / floor`` says how far each provider is from it.
+
+Provider ``gr_fused``: generative-recommenders' fused Triton STU path (``hstu_preprocess_and_attention``
++ ``hstu_compute_output``, ``HammerKernel.TRITON``, ``enable_tma=False``: issue 22) on the same layer,
+its parameters copied into GR's layout (see ``GRFusedSTU``); GR's code comes from ``HSTU_ANCHOR_PATH``
+(default ./.anchor), skipped when absent. ``--check-mapping-cpu`` checks that mapping on CPU in fp32
+against GR's PyTorch-kernel ops. The summary prints hstu vs gr_fused fwd+bwd ratios.
 
 Model step: ``HSTUModel`` (4 layers, same layer shape, ``--model-batch`` sequences), forward,
 next-item cross-entropy, backward and an AdamW step; steps/s per provider.
@@ -28,8 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-PROVIDERS = ["eager", "inductor", "hstu", "hstu_save", "hstu_recompute"]
-DEFAULT_PROVIDERS = ["eager", "inductor", "hstu"]
+PROVIDERS = ["eager", "inductor", "hstu", "hstu_save", "hstu_recompute", "gr_fused"]
+DEFAULT_PROVIDERS = ["eager", "inductor", "hstu", "gr_fused"]
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak (SXM)
 
 
@@ -97,6 +105,160 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+# ---------------------------------------------------------------------------------------------------
+# gr_fused: generative-recommenders' fused Triton STU path on the same layer
+# ---------------------------------------------------------------------------------------------------
+
+class AnchorMissing(RuntimeError):
+    pass
+
+
+def anchor_root():
+    """GR's code: a local copy holding ``generative_recommenders/ops/`` at ``HSTU_ANCHOR_PATH``
+    (default ``./.anchor``), as in ``benchmarks/attention.py``."""
+    return os.environ.get("HSTU_ANCHOR_PATH", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                           ".anchor"))
+
+
+def gr_ops():
+    """``(HammerKernel, hstu_preprocess_and_attention, hstu_compute_output)`` from the anchor, the
+    two ops GR's own ``modules/stu.py`` STULayer calls; ``AnchorMissing`` when there is none."""
+    root = anchor_root()
+    if not os.path.isfile(os.path.join(root, "generative_recommenders", "ops", "hstu_compute.py")):
+        raise AnchorMissing(f"GR anchor not found at {os.path.abspath(root)} (set HSTU_ANCHOR_PATH to a copy "
+                            "holding generative_recommenders/ops/)")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from generative_recommenders.common import HammerKernel
+    from generative_recommenders.ops.hstu_compute import hstu_compute_output, hstu_preprocess_and_attention
+
+    return HammerKernel, hstu_preprocess_and_attention, hstu_compute_output
+
+
+GR_NOTE = ("GR fused Triton STU (hstu_preprocess_and_attention + hstu_compute_output, HammerKernel.TRITON, "
+           "GR STULayer defaults: sort_by_length, recompute normed_x/uvqk/y), enable_tma=False: with TMA "
+           "auto-enabled on Hopper GR's fused path is wrong (rel err 0.61, issue 22), its TMA descriptors "
+           "assume contiguous q/k/v but the fused path passes strided views of uvqk; + b_o added outside "
+           "(GR's output block has no bias)")
+
+
+class GRFusedSTU(torch.nn.Module):
+    """Our ``reference.STULayer`` computed by GR's STU ops, with the layer's parameter *values* held
+    in GR's layout (as GR's ``modules/stu.py`` STULayer holds them), so the timed step is GR's.
+
+    Mapping (ours -> GR argument):
+      ln_weight/ln_bias -> norm_weight/norm_bias of hstu_preprocess_and_attention (eps = layer.eps);
+      w_uvqk [E, 2H(Dv+Dq)] -> uvqk_weight, same layout (normed @ W) and same u, v, q, k split;
+      b_uvqk -> uvqk_bias; silu on u only in both;
+      alpha -> attn_alpha; the 1/N row scale is max_seq_len in both; num_targets, max_attn_len,
+      contextual_seq_len passed through; causal=True;
+      norm_weight/norm_bias -> hstu_compute_output norm_weight/norm_bias (layer norm over H*Dv);
+      w_o [E, K] (F.linear layout) -> output_weight [K, E] = w_o.t() (GR: addmm(x, y, W));
+      concat_ua -> concat_u = concat_x = concat_ua (GR concatenates [u, attn, u*norm(attn)], our order);
+      dropout 0 -> dropout_ratio 0.0; mul_u_activation_type "none" (u already silu'd), silu_u False;
+      b_o: GR's output block has no bias, so ``+ b_o`` is one extra op after GR's output op (an
+      [L, E] add forward, a column sum for d b_o backward; dout passes through it uncopied).
+    GR's own choices kept: its STULayerConfig defaults sort_by_length=True and recompute of normed_x,
+    uvqk and y in the backward. Numerics differ only by rounding: GR forms u * norm(attn) in fp32 and
+    rounds once, ours rounds norm(attn) to the input dtype first.
+    Not mappable (raises): group_norm (GR's group-norm affine is per head, ours per channel) and
+    dropout_ratio > 0 in training (different random masks).
+
+    ``kernel``: "triton" (GR's fused path, GPU) or "pytorch" (GR's PyTorch reference ops; runs on
+    CPU with fbgemm_gpu, used by ``--check-mapping-cpu``)."""
+
+    OURS = {"_input_norm_weight": "ln_weight", "_input_norm_bias": "ln_bias", "_uvqk_weight": "w_uvqk",
+            "_uvqk_beta": "b_uvqk", "_output_norm_weight": "norm_weight", "_output_norm_bias": "norm_bias",
+            "_output_weight": "w_o", "_output_bias": "b_o"}
+
+    def __init__(self, layer, kernel="triton", enable_tma=False, sort_by_length=True, recompute=True):
+        super().__init__()
+        HammerKernel, self._pre, self._out = gr_ops()
+        if layer.group_norm:
+            raise NotImplementedError("group_norm: GR's group-norm weight/bias are per head [H], ours per "
+                                      "channel [H*Dv]; not the same function")
+        if layer.dropout_ratio > 0.0 and layer.training:
+            raise NotImplementedError("dropout_ratio > 0: GR's and our dropout masks differ")
+        self.kernel = {"triton": HammerKernel.TRITON, "pytorch": HammerKernel.PYTORCH}[kernel]
+        if kernel == "pytorch":
+            import fbgemm_gpu  # noqa: F401  (GR's PyTorch attention pads/unpads with torch.ops.fbgemm)
+        # enable_tma=False, explicitly: left at None GR auto-enables TMA on Hopper, and then its fused
+        # path returns wrong results (rel. err 0.61, issue 22): the TMA descriptors assume contiguous
+        # q/k/v while hstu_preprocess_and_attention passes q/k/v as strided views of one uvqk tensor.
+        self.enable_tma = enable_tma
+        self.sort_by_length, self.recompute = sort_by_length, recompute
+        self.H, self.Dq, self.Dv = layer.num_heads, layer.attn_dim, layer.hidden_dim
+        self.alpha, self.eps = layer.alpha, layer.eps
+        self.max_attn_len, self.contextual_seq_len, self.concat_ua = (layer.max_attn_len, layer.contextual_seq_len,
+                                                                      layer.concat_ua)
+        ours = dict(layer.named_parameters())
+        for gr_name, our_name in self.OURS.items():
+            t = ours[our_name].detach()
+            t = t.t() if our_name == "w_o" else t
+            setattr(self, gr_name, torch.nn.Parameter(t.contiguous().clone()))
+
+    def forward(self, x, seq_offsets, max_seq_len, num_targets=None):
+        u, attn, _, _ = self._pre(
+            x=x, norm_weight=self._input_norm_weight, norm_bias=self._input_norm_bias, norm_eps=self.eps,
+            num_heads=self.H, attn_dim=self.Dq, hidden_dim=self.Dv, uvqk_weight=self._uvqk_weight,
+            uvqk_bias=self._uvqk_beta, max_seq_len=max_seq_len, seq_offsets=seq_offsets, attn_alpha=self.alpha,
+            causal=True, num_targets=num_targets, max_attn_len=self.max_attn_len,
+            contextual_seq_len=self.contextual_seq_len, recompute_uvqk_in_backward=self.recompute,
+            recompute_normed_x_in_backward=self.recompute, sort_by_length=self.sort_by_length, prefill=False,
+            kernel=self.kernel, enable_tma=self.enable_tma)
+        out = self._out(
+            attn=attn, u=u, x=x, norm_weight=self._output_norm_weight, norm_bias=self._output_norm_bias,
+            norm_eps=self.eps, output_weight=self._output_weight, num_heads=self.H, linear_dim=self.Dv,
+            dropout_ratio=0.0, training=self.training, concat_u=self.concat_ua, concat_x=self.concat_ua,
+            mul_u_activation_type="none", group_norm=False, recompute_y_in_backward=self.recompute,
+            kernel=self.kernel)
+        return out + self._output_bias
+
+    def ours(self, grads):
+        """Gradients of ``self.parameters()`` (in order) as ``{our parameter name: grad in our layout}``."""
+        d = {}
+        for (gr_name, _), g in zip(self.named_parameters(), grads):
+            d[self.OURS[gr_name]] = g.t() if gr_name == "_output_weight" else g
+        return d
+
+
+def check_mapping_cpu(verbose=True):
+    """Our STULayer (eager) vs GRFusedSTU on GR's PyTorch kernels, fp32 on CPU, small sizes, with
+    every parameter perturbed (so a wrong mapping of any of them shows): output, dx and all parameter
+    gradients. Returns the list of ``(case, what, rel err)``; raises AnchorMissing without GR."""
+    from hstu_inductor.reference import STULayer
+
+    results = []
+    cases = [dict(), dict(concat_ua=True), dict(alpha=0.3, eps=1e-5), dict(max_attn_len=7),
+             dict(contextual_seq_len=3)]
+    for i, kw in enumerate(cases):
+        torch.manual_seed(i)
+        E, H, Dq, Dv, B, N = 32, 2, 8, 12, 3, 24
+        layer = STULayer(E, H, Dq, Dv, **kw).train()  # fp32
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        lengths = torch.tensor([N, N - 5, 9])
+        off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        nt = torch.tensor([3, 1, 2])
+        x = torch.randn(int(off[-1]), E)
+        dout = torch.randn_like(x)
+        gr = GRFusedSTU(layer, kernel="pytorch")
+        res = {}
+        for name, m in (("ours", layer), ("gr", gr)):
+            xx = x.detach().requires_grad_()
+            out = m(xx, off, N, nt)
+            g = torch.autograd.grad(out, (xx, *m.parameters()), dout)
+            pg = dict(zip((n for n, _ in layer.named_parameters()), g[1:])) if name == "ours" else m.ours(g[1:])
+            res[name] = dict(out=out, dx=g[0], **pg)
+        label = ",".join(f"{k}={v}" for k, v in kw.items()) or "default"
+        for k in res["ours"]:
+            results.append((label, k, rel(res["gr"][k], res["ours"][k])))
+        if verbose:
+            print(f"  {label:22s} " + " ".join(f"{k} {e:.1e}" for c, k, e in results if c == label), flush=True)
+    return results
+
+
 def run_layer(args, N, device, dtype, rows):
     from hstu_inductor.reference import STULayer
     from hstu_inductor.report import collecting
@@ -108,22 +270,40 @@ def run_layer(args, N, device, dtype, rows):
     dout = torch.randn_like(x)
     f_fwd, f_bwd = layer_flops(lengths, E, H, D, D)
     floor_fwd, floor_fb = f_fwd / peak_flops() * 1e3, (f_fwd + f_bwd) / peak_flops() * 1e3
-    ref_out = ref_dx = None
+    names = [n for n, _ in layer.named_parameters()]
+    # What every provider is checked against before it is timed: our layer in eager, its output and
+    # the gradients of x and of every parameter.
+    xx = x.detach().requires_grad_()
+    out = layer(xx, off, N, nt)
+    g = torch.autograd.grad(out, (xx, *layer.parameters()), dout)
+    ref = dict(out=out.detach(), dx=g[0], **dict(zip(names, g[1:])))
+    del out, g, xx
     for prov in args.providers:
         row = dict(N=N, provider=prov, fwd_ms=float("nan"), fwdbwd_ms=float("nan"), peak_mb=float("nan"),
-                   err_out=float("nan"), err_dx=float("nan"), floor_fwd_ms=floor_fwd, floor_fwdbwd_ms=floor_fb,
-                   note="")
+                   err_out=float("nan"), err_dx=float("nan"), err_dparam=float("nan"), worst_param="",
+                   valid="", floor_fwd_ms=floor_fwd, floor_fwdbwd_ms=floor_fb, note="")
         try:
             with provider_options(prov):
                 t0 = time.time()
-                model = compile_with(prov, layer)
+                if prov == "gr_fused":
+                    # CPU dry run: GR's PyTorch-kernel ops (its Triton path needs a GPU), only to exercise this code
+                    kernel = "triton" if device == "cuda" else "pytorch"
+                    model = GRFusedSTU(layer, kernel=kernel, enable_tma=False)  # see GR_NOTE (issue 22)
+                    params, as_ours = list(model.parameters()), model.ours
+                    row["note"] = ("GR fused Triton, enable_tma=False (issue 22), +b_o outside" if kernel == "triton"
+                                   else "GR HammerKernel.PYTORCH (CPU dry run, not GR's fused path)")
+                    print(f"  layer N={N} gr_fused: {GR_NOTE if kernel == 'triton' else row['note']}", flush=True)
+                else:
+                    model = compile_with(prov, layer)
+                    params, as_ours = list(layer.parameters()), (lambda gs: dict(zip(names, gs)))
                 xx = x.detach().requires_grad_()
-                # dynamic L and B, as a training loop sees them after its first recompile
-                for t in (x, xx, off, nt):
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                if prov != "gr_fused":
+                    # dynamic L and B, as a training loop sees them after its first recompile
+                    for t in (x, xx, off, nt):
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
                 with collecting() as report:
                     out = model(xx, off, N, nt)
-                    (dx,) = torch.autograd.grad(out, xx, dout)
+                    g = torch.autograd.grad(out, (xx, *params), dout)
                     with torch.no_grad():
                         model(x, off, N, nt)
                 if prov.startswith("hstu"):
@@ -132,38 +312,52 @@ def run_layer(args, N, device, dtype, rows):
                                                                                               "output"))
                     if len(set(counts.get(k, 0) for k in ("preprocess", "attention", "output"))) != 1:
                         print(report, flush=True)
-                if ref_out is None:
-                    ref_out, ref_dx = out.detach(), dx
-                row.update(err_out=rel(out, ref_out), err_dx=rel(dx, ref_dx))
-                del out, dx
+                got = dict(out=out.detach(), dx=g[0], **as_ours(g[1:]))
+                errs = {k: rel(got[k], ref[k]) for k in ref}
+                del out, g, got
+                perr = {k: e for k, e in errs.items() if k not in ("out", "dx")}
+                worst = max(perr, key=lambda k: perr[k] if perr[k] == perr[k] else float("inf"))
+                bad = [k for k, e in errs.items() if not e <= args.tol]  # nan is bad too
+                row.update(err_out=errs["out"], err_dx=errs["dx"], err_dparam=perr[worst], worst_param=worst,
+                           valid=not bad)
+                print(f"  check N={N} {prov:14s} rel err vs eager: " + " ".join(f"{k} {e:.1e}" for k, e in errs.items())
+                      + (" -> OK" if not bad else f" -> WRONG ({', '.join(bad)} > {args.tol:g})"), flush=True)
+                if bad:
+                    row["note"] = f"WRONG ({', '.join(bad)} > {args.tol:g}); {row['note']}"
+                if bad and not args.time_wrong:
+                    print(f"  layer N={N} {prov}: not timed (wrong result; --time-wrong times it anyway)", flush=True)
+                else:
+                    def fwd():
+                        with torch.no_grad():
+                            return model(x, off, N, nt)
 
-                def fwd():
-                    with torch.no_grad():
-                        return model(x, off, N, nt)
+                    def fwd_bwd():
+                        o = model(xx, off, N, nt)
+                        return torch.autograd.grad(o, (xx, *params), dout)
 
-                def fwd_bwd():
-                    o = model(xx, off, N, nt)
-                    return torch.autograd.grad(o, (xx, *layer.parameters()), dout)
-
-                row["fwd_ms"] = bench(fwd, args.rep)
-                row["fwdbwd_ms"] = bench(fwd_bwd, args.rep)
-                if args.profile and device == "cuda":
-                    profile(fwd_bwd, f"layer N={N} {prov} fwd+bwd")
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                    base = torch.cuda.memory_allocated()
-                    torch.cuda.reset_peak_memory_stats()
-                    fwd_bwd()
-                    torch.cuda.synchronize()
-                    row["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-                print(f"  layer N={N} {prov:14s} fwd {row['fwd_ms']:7.3f} ms  fwd+bwd {row['fwdbwd_ms']:7.3f} ms  "
-                      f"peak {row['peak_mb']:8.1f} MB  err out {row['err_out']:.1e} dx {row['err_dx']:.1e}  "
-                      f"({time.time() - t0:.0f}s) {row['note']}", flush=True)
+                    row["fwd_ms"] = bench(fwd, args.rep)
+                    row["fwdbwd_ms"] = bench(fwd_bwd, args.rep)
+                    if args.profile and device == "cuda":
+                        profile(fwd_bwd, f"layer N={N} {prov} fwd+bwd")
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                        base = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
+                        fwd_bwd()
+                        torch.cuda.synchronize()
+                        row["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                    print(f"  layer N={N} {prov:14s} fwd {row['fwd_ms']:7.3f} ms  fwd+bwd {row['fwdbwd_ms']:7.3f} ms  "
+                          f"peak {row['peak_mb']:8.1f} MB  err out {row['err_out']:.1e} dx {row['err_dx']:.1e} "
+                          f"dW {row['err_dparam']:.1e} ({worst})  ({time.time() - t0:.0f}s) {row['note']}", flush=True)
+        except AnchorMissing as e:
+            row["note"] = f"skipped: {e}"
+            print(f"  layer N={N} {prov}: {row['note']}", flush=True)
         except Exception as e:  # a provider failing (OOM, ...) reports n/a
             row["note"] = f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
             print(f"  layer N={N} {prov}: {row['note']}", flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
+        model = None
         rows.append(row)
 
 
@@ -181,6 +375,8 @@ def run_model(args, N, device, dtype, rows):
     last[off[1:] - 1] = True
 
     for prov in args.providers:
+        if prov == "gr_fused":  # a layer provider only: HSTUModel's layers are ours
+            continue
         row = dict(N=N, provider=prov, model_steps_per_s=float("nan"), note="")
         try:
             with provider_options(prov):
@@ -270,8 +466,25 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each layer fwd+bwd")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep time in ms")
+    ap.add_argument("--tol", type=float, default=2e-2,
+                    help="largest relative error (output, dx, each parameter gradient) vs eager for a valid provider")
+    ap.add_argument("--time-wrong", action="store_true", help="time providers that fail the check too (flagged WRONG)")
+    ap.add_argument("--check-mapping-cpu", action="store_true",
+                    help="only check gr_fused's parameter mapping: our STULayer vs GR's PyTorch-kernel ops, fp32 on "
+                         "CPU, small sizes (needs the anchor and fbgemm_gpu); exit 1 on a mismatch")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
     args = ap.parse_args()
+    if args.check_mapping_cpu:
+        try:
+            errs = check_mapping_cpu()
+        except AnchorMissing as e:
+            print(f"skipped: {e}")
+            return
+        worst = max(errs, key=lambda r: r[2])
+        ok = worst[2] <= 1e-5
+        print(f"mapping check (fp32, CPU, GR HammerKernel.PYTORCH): worst rel err {worst[2]:.1e} ({worst[0]}: "
+              f"{worst[1]}) -> {'OK' if ok else 'MISMATCH'}")
+        sys.exit(0 if ok else 1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     torch._functorch.config.donated_buffer = False  # the timed backward re-runs one compiled graph
@@ -288,18 +501,29 @@ def main():
 
     print(f"\nSTU layer — B={args.batch} E={args.embedding} H={args.heads} D={args.dim} {args.dtype}")
     print(f"{'N':>5s} {'provider':14s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'x floor':>7s} {'peak MB':>9s} "
-          f"{'mem vs ind':>10s} {'speedup vs ind':>14s} {'err out':>8s} {'err dx':>8s}")
+          f"{'mem vs ind':>10s} {'speedup vs ind':>14s} {'err out':>8s} {'err dx':>8s} {'err dW':>8s}")
     for r in rows:
         ind = next((x for x in rows if x["N"] == r["N"] and x["provider"] == "inductor"), None)
         sp = ind["fwdbwd_ms"] / r["fwdbwd_ms"] if ind else float("nan")
         mem = r["peak_mb"] / ind["peak_mb"] if ind else float("nan")
         print(f"{r['N']:5d} {r['provider']:14s} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:10.3f} "
               f"{r['fwdbwd_ms'] / r['floor_fwdbwd_ms']:7.2f} {r['peak_mb']:9.1f} {mem:10.2f} {sp:14.2f} "
-              f"{r['err_out']:8.1e} {r['err_dx']:8.1e} {r['note']}")
+              f"{r['err_out']:8.1e} {r['err_dx']:8.1e} {r['err_dparam']:8.1e} {r['note']}")
     if rows:
         print(f"floor (FLOPs at {peak_flops() / 1e12:.0f} TFLOP/s): "
               + ", ".join(f"N={r['N']}: fwd {r['floor_fwd_ms']:.3f} ms, fwd+bwd {r['floor_fwdbwd_ms']:.3f} ms"
                           for r in rows if r["provider"] == rows[0]["provider"]))
+    for n in sorted({r["N"] for r in rows}):
+        by = {r["provider"]: r for r in rows if r["N"] == n}
+        gr = by.get("gr_fused")
+        for prov in (p for p in by if p.startswith("hstu") and gr is not None):
+            h = by[prov]
+            if h["valid"] is True and gr["valid"] is True and h["fwdbwd_ms"] == h["fwdbwd_ms"]:
+                print(f"N={n}: {prov} vs gr_fused fwd+bwd {gr['fwdbwd_ms'] / h['fwdbwd_ms']:.2f}x, "
+                      f"fwd {gr['fwd_ms'] / h['fwd_ms']:.2f}x (issue 22 target: fwd+bwd >= 1.4x)")
+            else:
+                print(f"N={n}: {prov} vs gr_fused: no valid ratio ({prov}: {h['note'] or 'n/a'}; gr_fused: "
+                      f"{gr['note'] or 'n/a'})")
     for r in model_rows:
         print(f"model N={r['N']} {r['provider']:14s} {r['model_steps_per_s']:6.2f} steps/s {r['note']}")
     with open(os.path.join(args.out, "stu_layer.csv"), "w", newline="") as f:
