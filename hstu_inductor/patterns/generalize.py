@@ -816,6 +816,11 @@ def _generalised(gm, e, leaves, prove, rewrite):
         raise GeneralizeError("the candidate reads no fake tensor input")
     sizes = dataclasses.replace(e.sizes, descriptor=env[plan.offsets].name if plan.offsets in env else None,
                                 cut={env[n].name: d for n, d in e.sizes.cut.items() if n in env})
+    if sizes.B == 1:
+        # a batch of one stays one: the graph (offsets of 2 rows) admits no other B, and a size-1
+        # symbol is pinned to 1 by the first broadcast anyway. L and N still vary, one sequence of
+        # L rows per probe (as for Dynamo's B=1 graphs)
+        sizes = dataclasses.replace(sizes, B=None)
     first = None
     # literals as symbols first; then mask constants kept (a literal the mask does not use as one
     # of HSTU's constants, e.g. a contextual prefix of 2 whose c - 1 = 1 stays a literal; first
