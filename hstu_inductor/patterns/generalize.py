@@ -49,6 +49,7 @@ import torch
 from torch.utils._sympy.functions import FloorDiv
 
 from .. import _compat
+from . import generalize_small
 from .prover import Decline, attribute, is_static, substitute, sym_expr
 
 log = logging.getLogger("hstu_inductor")
@@ -178,7 +179,8 @@ class _Decision:
 class _Generaliser:
     """One attempt: builds the generalised graph with the given choices (``overrides``)."""
 
-    def __init__(self, gm, sizes: Sizes, overrides: dict, arith: bool = True, consts: bool = True):
+    def __init__(self, gm, sizes: Sizes, overrides: dict, arith: bool = True, consts: bool = True,
+                 steer: bool = False):
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -198,6 +200,8 @@ class _Generaliser:
         self.atom_syms: set = set()
         self.dim_sources: dict = {}    # symbolic size expr -> (input node, dim) holding it (inputs only:
         #                                a size read of an intermediate would keep it alive)
+        self.steer = steer
+        self.small = None              # generalize_small.SmallInstance when steering
 
     @property
     def atoms(self) -> list:
@@ -320,6 +324,8 @@ class _Generaliser:
         if L_sym is not None:
             self.named_atoms.append((L_sym, sz.L, "L"))
         self.atom_syms = set().union(*(sympy.sympify(e).free_symbols for e, _ in self.atoms))
+        if self.steer:
+            self.small = generalize_small.SmallInstance.build(self)
 
     def _note_dims(self, node, val):
         if isinstance(val, torch.Tensor):
@@ -649,12 +655,19 @@ class _Generaliser:
             if node.op == "placeholder":
                 continue
             if node.op == "output":
-                self.graph.output(torch.fx.node.map_arg(node.args[0], self.env.__getitem__))
+                out = torch.fx.node.map_arg(node.args[0], self.env.__getitem__)
+                last, val = node.args[0], node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+                if self.small is not None and isinstance(val, torch.Tensor) and val.dim() and \
+                        not self.small.rows_ok(out, int(val.shape[0]), self.sizes.L):
+                    raise _Failed(last.name, len(self.decisions), "on a small instance the output lost the jagged rows")
+                self.graph.output(out)
                 continue
             if node.op == "get_attr":
                 new = self.graph.get_attr(node.target)
                 obj = attribute(self.gm, node.target)
                 new.meta["val"] = self.fake_mode.from_tensor(obj) if isinstance(obj, torch.Tensor) else obj
+                if self.small is not None:
+                    self.small.constant(new, obj)
                 self.env[node] = new
                 continue
             if node.op != "call_function":
@@ -677,6 +690,12 @@ class _Generaliser:
             new.meta["val"] = val
             self.env[node] = new
             self._note_features(val)
+            if self.small is not None:
+                try:
+                    self.small.step(new, node.target, gargs, gkwargs)
+                except Exception as e:  # an index out of range where L != N: the reading is wrong
+                    raise _Failed(node.name, before, f"on a small instance: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:160] if str(e) else ''}") from None
         gm = torch.fx.GraphModule(self.gm, self.graph)
         return gm
 
@@ -731,7 +750,21 @@ def _sx(s):
 def generalise(gm: torch.fx.GraphModule, sizes: Sizes, arith: bool = True, consts: bool = True):
     """The generalised graph (and its generaliser): ``gm`` with the atoms of ``sizes`` symbolic, a
     ``SymInt`` input per N and per mask constant appended. ``arith``: also index-arithmetic literals
-    (``seq * N``); ``consts``: mask constants as symbols. Raises GeneralizeError."""
+    (``seq * N``); ``consts``: mask constants as symbols. Raises GeneralizeError.
+
+    Where L and N have (almost) the same value their literals are ambiguous: the choices are first
+    steered by a small instance on which they differ (``generalize_small``), then taken unsteered."""
+    if generalize_small.coincide(sizes):
+        try:
+            return _generalise(gm, sizes, arith, consts, steer=True)
+        except GeneralizeError as e:
+            log.debug("hstu_inductor: no reading of the sizes runs on a small instance (%s)", e)
+    return _generalise(gm, sizes, arith, consts)
+
+
+def _generalise(gm, sizes, arith, consts, steer=False):
+    if steer:
+        return _generalise_steered(gm, sizes, arith, consts)
     overrides: dict = {}
     last = None
     for _ in range(_MAX_ATTEMPTS):
@@ -752,6 +785,51 @@ def generalise(gm: torch.fx.GraphModule, sizes: Sizes, arith: bool = True, const
             overrides[d.key] = d.choice + 1
     raise GeneralizeError(f"could not generalise the sizes at {last.node}: {last.reason}" if last
                           else "could not generalise the sizes")
+
+
+def _generalise_steered(gm, sizes, arith, consts):
+    """Choices steered by the small instance. A contradiction at a node moves the latest choice that
+    node depends on to its next symbolic reading (N's to L's), keeping every other choice: the
+    culprit of an index out of range is upstream, and the choices after it are independent of it."""
+    overrides: dict = {}
+    last = None
+    for _ in range(2 * _MAX_ATTEMPTS):
+        g = _Generaliser(gm, sizes, overrides, arith, consts, steer=True)
+        try:
+            out = g.run()
+            log.debug("hstu_inductor: generalised %s (steered) with %d choice(s) revised", sizes,
+                      sum(c > 0 for c in overrides.values()))
+            return out, g
+        except _Failed as e:
+            last = e
+            log.debug("hstu_inductor: steered attempt failed at %s: %s", e.node, e.reason)
+            cone = _cone(gm, e.node)
+            live = [d for d in g.decisions if d.key[0] in cone and d.choice < _symbolic_options(d) - 1]
+            if not live:
+                break
+            overrides = {x.key: x.choice for x in g.decisions}
+            overrides[live[-1].key] = live[-1].choice + 1
+    raise GeneralizeError(f"could not generalise the sizes at {last.node}: {last.reason}" if last
+                          else "could not generalise the sizes")
+
+
+def _cone(gm, name) -> set:
+    """Names of the node called ``name`` and of every node it depends on."""
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    out, todo = set(), [node] if node is not None else []
+    while todo:
+        n = todo.pop()
+        if n.name not in out:
+            out.add(n.name)
+            todo += n.all_input_nodes
+    return out
+
+
+def _symbolic_options(d) -> int:
+    """How many of a choice's options (best first) are expressions of symbols (not the literal)."""
+    def numeric(o):
+        return all(sympy.sympify(x).is_number for x in (o if isinstance(o, (list, tuple)) else [o]))
+    return sum(not numeric(o) for o in d.options)
 
 
 # ---------------------------------------------------------------------------------------------
