@@ -700,11 +700,13 @@ class _Generaliser:
         return gm
 
     def _forced_atoms(self) -> set:
-        """Atom symbols the shape env has fixed to a constant (a contradicted choice)."""
+        """Atom symbols the shape env has fixed to a constant (a contradicted choice); when steering
+        (L and N of one value), also one made equal to another atom (a size read as the wrong one)."""
         forced = set()
         for s in self.atom_syms:
             r = self.shape_env.replacements.get(s)
-            if r is not None and sympy.sympify(r).is_number:
+            if r is not None and (sympy.sympify(r).is_number
+                                  or (self.steer and sympy.sympify(r).free_symbols & (self.atom_syms - {s}))):
                 forced.add(s)
         return forced
 
@@ -788,29 +790,38 @@ def _generalise(gm, sizes, arith, consts, steer=False):
 
 
 def _generalise_steered(gm, sizes, arith, consts):
-    """Choices steered by the small instance. A contradiction at a node moves the latest choice that
-    node depends on to its next symbolic reading (N's to L's), keeping every other choice: the
-    culprit of an index out of range is upstream, and the choices after it are independent of it."""
-    overrides: dict = {}
-    last = None
-    for _ in range(2 * _MAX_ATTEMPTS):
+    """Choices steered by the small instance. A contradiction at a node is repaired by moving one
+    choice that node depends on (latest first) to its next symbolic reading (an N to an L), kept
+    only if the trace then gets further; every other choice stays. Contradictions are local (an
+    index range, a size mismatch), so the trace advances one repair at a time."""
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+
+    def attempt(overrides):
         g = _Generaliser(gm, sizes, overrides, arith, consts, steer=True)
         try:
-            out = g.run()
-            log.debug("hstu_inductor: generalised %s (steered) with %d choice(s) revised", sizes,
-                      sum(c > 0 for c in overrides.values()))
-            return out, g
+            return g, g.run(), None
         except _Failed as e:
-            last = e
             log.debug("hstu_inductor: steered attempt failed at %s: %s", e.node, e.reason)
-            cone = _cone(gm, e.node)
-            live = [d for d in g.decisions if d.key[0] in cone and d.choice < _symbolic_options(d) - 1]
-            if not live:
+            return g, None, e
+
+    g, out, fail = attempt({})
+    budget = 3 * _MAX_ATTEMPTS
+    while fail is not None and budget > 0:
+        cone = _cone(gm, fail.node)
+        base = {x.key: x.choice for x in g.decisions}
+        for d in [d for d in g.decisions if d.key[0] in cone and d.choice < _symbolic_options(d) - 1][::-1]:
+            budget -= 1
+            g2, out2, fail2 = attempt({**base, d.key: d.choice + 1})
+            if fail2 is None or order[fail2.node] > order[fail.node] or budget <= 0:
+                g, out, fail = g2, out2, fail2
                 break
-            overrides = {x.key: x.choice for x in g.decisions}
-            overrides[live[-1].key] = live[-1].choice + 1
-    raise GeneralizeError(f"could not generalise the sizes at {last.node}: {last.reason}" if last
-                          else "could not generalise the sizes")
+        else:
+            break
+    if fail is None:
+        log.debug("hstu_inductor: generalised %s (steered) with %d choice(s) revised", sizes,
+                  sum(d.choice > 0 for d in g.decisions))
+        return out, g
+    raise GeneralizeError(f"could not generalise the sizes at {fail.node}: {fail.reason}")
 
 
 def _cone(gm, name) -> set:
