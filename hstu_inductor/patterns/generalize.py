@@ -756,11 +756,12 @@ def generalise(gm: torch.fx.GraphModule, sizes: Sizes, arith: bool = True, const
 
     Where L and N have (almost) the same value their literals are ambiguous: the choices are first
     steered by a small instance on which they differ (``generalize_small``), then taken unsteered."""
-    if generalize_small.coincide(sizes):
+    if generalize_small.coincide(sizes) and not gm.meta.get("hstu_unsteerable"):
         try:
             return _generalise(gm, sizes, arith, consts, steer=True)
         except GeneralizeError as e:
             log.debug("hstu_inductor: no reading of the sizes runs on a small instance (%s)", e)
+            gm.meta["hstu_unsteerable"] = True  # the other levels read the same sizes: not again
     return _generalise(gm, sizes, arith, consts)
 
 
@@ -805,13 +806,15 @@ def _generalise_steered(gm, sizes, arith, consts):
             return g, None, e
 
     g, out, fail = attempt({})
-    budget = 3 * _MAX_ATTEMPTS
+    budget = 4 * _MAX_ATTEMPTS
     while fail is not None and budget > 0:
         cone = _cone(gm, fail.node)
         base = {x.key: x.choice for x in g.decisions}
-        for d in [d for d in g.decisions if d.key[0] in cone and d.choice < _symbolic_options(d) - 1][::-1]:
+        live = [d for d in g.decisions if d.key[0] in cone and d.choice < _symbolic_options(d) - 1][::-1]
+        # one move, else two (a row index and its row count read as N together)
+        for moves in itertools.chain(itertools.combinations(live, 1), itertools.combinations(live, 2)):
             budget -= 1
-            g2, out2, fail2 = attempt({**base, d.key: d.choice + 1})
+            g2, out2, fail2 = attempt({**base, **{d.key: d.choice + 1 for d in moves}})
             if fail2 is None or order[fail2.node] > order[fail.node] or budget <= 0:
                 g, out, fail = g2, out2, fail2
                 break

@@ -48,7 +48,7 @@ def _spelling(fn, L, monkeypatch, need_nt=False):
     return rewrite_exported(_export(_Fn(fn), args))
 
 
-@pytest.mark.parametrize("name,L", [("einsum_index_put_tril", 3001), ("gather_pad_targets", N),
+@pytest.mark.parametrize("name,L", [("einsum_index_put_tril", 3001), ("einsum_index_put_tril", N),
                                     ("matmul_index_copy_where", N)])
 def test_spellings_one_sequence_rewritten(name, L, monkeypatch):
     fn, need_nt, *_ = sp.SPELLINGS[name]
