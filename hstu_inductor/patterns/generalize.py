@@ -655,8 +655,9 @@ class _Generaliser:
             if node.op == "placeholder":
                 continue
             if node.op == "output":
-                out = torch.fx.node.map_arg(node.args[0], self.env.__getitem__)
-                last, val = node.args[0], node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+                last = node.args[0]
+                out = torch.fx.node.map_arg(last, self.env.__getitem__)
+                val = last.meta.get("val") if isinstance(last, torch.fx.Node) else None
                 if self.small is not None and isinstance(val, torch.Tensor) and val.dim() and \
                         not self.small.rows_ok(out, int(val.shape[0]), self.sizes.L):
                     raise _Failed(last.name, len(self.decisions), "on a small instance the output lost the jagged rows")
@@ -766,6 +767,7 @@ def generalise(gm: torch.fx.GraphModule, sizes: Sizes, arith: bool = True, const
 
 
 def _generalise(gm, sizes, arith, consts, steer=False):
+    """One generalisation: unsteered, a choice contradicted later is revised depth first."""
     if steer:
         return _generalise_steered(gm, sizes, arith, consts)
     overrides: dict = {}
