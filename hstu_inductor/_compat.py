@@ -7,7 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 __all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "aot_eager", "mode_options", "guarded", "plain_eager",
            "njt_view_target", "is_njt", "size_hint", "shape_env_hints", "specialize_ints", "install_ddp_pre_split",
            "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "unwrap_backend", "promoted_float_inputs",
-           "compile_reason", "capture_graph_break_logs", "install_frame_config"]
+           "compile_reason", "capture_graph_break_logs", "install_frame_config", "no_fake_mode"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -112,6 +112,13 @@ def shape_env_hints(shape_env) -> dict:
     if table is None:
         table = shape_env.var_to_val
     return {k: int(v) for k, v in table.items() if getattr(v, "is_Integer", True)}
+
+
+def no_fake_mode():
+    """A context in which ops run on real tensors even inside an active fake mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 def specialize_ints(sizes) -> None:

@@ -264,8 +264,12 @@ def source_candidates(D) -> list:
         return []
     dshape = meta_val(D).shape
     rows = meta_val(chain[-1]).shape[0]
-    return [x for x in chain if lay.eq(meta_val(x).shape[0], rows)
-            and not (meta_val(x).dim() == len(dshape) and all(map(lay.eq, meta_val(x).shape, dshape)))]
+    same_rows = [x for x in chain if lay.eq(meta_val(x).shape[0], rows)]
+    steps = [x for x in same_rows
+             if not (meta_val(x).dim() == len(dshape) and all(map(lay.eq, meta_val(x).shape, dshape)))]
+    # none left: the source itself has the padded shape at these sizes (one sequence of N rows, whose
+    # pad [1, N, F] lost its size-1 batch), and the proof tells which one is read
+    return steps or same_rows
 
 
 def pad_source(D, skip: int = 0, cands=None) -> torch.fx.Node:

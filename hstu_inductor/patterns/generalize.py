@@ -49,6 +49,7 @@ import torch
 from torch.utils._sympy.functions import FloorDiv
 
 from .. import _compat
+from . import generalize_small
 from .prover import Decline, attribute, is_static, substitute, sym_expr
 
 log = logging.getLogger("hstu_inductor")
@@ -178,7 +179,8 @@ class _Decision:
 class _Generaliser:
     """One attempt: builds the generalised graph with the given choices (``overrides``)."""
 
-    def __init__(self, gm, sizes: Sizes, overrides: dict, arith: bool = True, consts: bool = True):
+    def __init__(self, gm, sizes: Sizes, overrides: dict, arith: bool = True, consts: bool = True,
+                 steer: bool = False):
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -198,6 +200,8 @@ class _Generaliser:
         self.atom_syms: set = set()
         self.dim_sources: dict = {}    # symbolic size expr -> (input node, dim) holding it (inputs only:
         #                                a size read of an intermediate would keep it alive)
+        self.steer = steer
+        self.small = None              # generalize_small.SmallInstance when steering
 
     @property
     def atoms(self) -> list:
@@ -320,6 +324,8 @@ class _Generaliser:
         if L_sym is not None:
             self.named_atoms.append((L_sym, sz.L, "L"))
         self.atom_syms = set().union(*(sympy.sympify(e).free_symbols for e, _ in self.atoms))
+        if self.steer:
+            self.small = generalize_small.SmallInstance.build(self)
 
     def _note_dims(self, node, val):
         if isinstance(val, torch.Tensor):
@@ -649,12 +655,20 @@ class _Generaliser:
             if node.op == "placeholder":
                 continue
             if node.op == "output":
-                self.graph.output(torch.fx.node.map_arg(node.args[0], self.env.__getitem__))
+                last = node.args[0]
+                out = torch.fx.node.map_arg(last, self.env.__getitem__)
+                val = last.meta.get("val") if isinstance(last, torch.fx.Node) else None
+                if self.small is not None and isinstance(val, torch.Tensor) and val.dim() and \
+                        not self.small.rows_ok(out, int(val.shape[0]), self.sizes.L):
+                    raise _Failed(last.name, len(self.decisions), "on a small instance the output lost the jagged rows")
+                self.graph.output(out)
                 continue
             if node.op == "get_attr":
                 new = self.graph.get_attr(node.target)
                 obj = attribute(self.gm, node.target)
                 new.meta["val"] = self.fake_mode.from_tensor(obj) if isinstance(obj, torch.Tensor) else obj
+                if self.small is not None:
+                    self.small.constant(new, obj)
                 self.env[node] = new
                 continue
             if node.op != "call_function":
@@ -677,15 +691,23 @@ class _Generaliser:
             new.meta["val"] = val
             self.env[node] = new
             self._note_features(val)
+            if self.small is not None:
+                try:
+                    self.small.step(new, node.target, gargs, gkwargs)
+                except Exception as e:  # an index out of range where L != N: the reading is wrong
+                    raise _Failed(node.name, before, f"on a small instance: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:160] if str(e) else ''}") from None
         gm = torch.fx.GraphModule(self.gm, self.graph)
         return gm
 
     def _forced_atoms(self) -> set:
-        """Atom symbols the shape env has fixed to a constant (a contradicted choice)."""
+        """Atom symbols the shape env has fixed to a constant (a contradicted choice); when steering
+        (L and N of one value), also one made equal to another atom (a size read as the wrong one)."""
         forced = set()
         for s in self.atom_syms:
             r = self.shape_env.replacements.get(s)
-            if r is not None and sympy.sympify(r).is_number:
+            if r is not None and (sympy.sympify(r).is_number
+                                  or (self.steer and sympy.sympify(r).free_symbols & (self.atom_syms - {s}))):
                 forced.add(s)
         return forced
 
@@ -731,7 +753,23 @@ def _sx(s):
 def generalise(gm: torch.fx.GraphModule, sizes: Sizes, arith: bool = True, consts: bool = True):
     """The generalised graph (and its generaliser): ``gm`` with the atoms of ``sizes`` symbolic, a
     ``SymInt`` input per N and per mask constant appended. ``arith``: also index-arithmetic literals
-    (``seq * N``); ``consts``: mask constants as symbols. Raises GeneralizeError."""
+    (``seq * N``); ``consts``: mask constants as symbols. Raises GeneralizeError.
+
+    Where L and N have (almost) the same value their literals are ambiguous: the choices are first
+    steered by a small instance on which they differ (``generalize_small``), then taken unsteered."""
+    if generalize_small.coincide(sizes) and not gm.meta.get("hstu_unsteerable"):
+        try:
+            return _generalise(gm, sizes, arith, consts, steer=True)
+        except GeneralizeError as e:
+            log.debug("hstu_inductor: no reading of the sizes runs on a small instance (%s)", e)
+            gm.meta["hstu_unsteerable"] = True  # the other levels read the same sizes: not again
+    return _generalise(gm, sizes, arith, consts)
+
+
+def _generalise(gm, sizes, arith, consts, steer=False):
+    """One generalisation: unsteered, a choice contradicted later is revised depth first."""
+    if steer:
+        return _generalise_steered(gm, sizes, arith, consts)
     overrides: dict = {}
     last = None
     for _ in range(_MAX_ATTEMPTS):
@@ -752,6 +790,62 @@ def generalise(gm: torch.fx.GraphModule, sizes: Sizes, arith: bool = True, const
             overrides[d.key] = d.choice + 1
     raise GeneralizeError(f"could not generalise the sizes at {last.node}: {last.reason}" if last
                           else "could not generalise the sizes")
+
+
+def _generalise_steered(gm, sizes, arith, consts):
+    """Choices steered by the small instance. A contradiction at a node is repaired by moving one
+    choice that node depends on (latest first) to its next symbolic reading (an N to an L), kept
+    only if the trace then gets further; every other choice stays. Contradictions are local (an
+    index range, a size mismatch), so the trace advances one repair at a time."""
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+
+    def attempt(overrides):
+        g = _Generaliser(gm, sizes, overrides, arith, consts, steer=True)
+        try:
+            return g, g.run(), None
+        except _Failed as e:
+            log.debug("hstu_inductor: steered attempt failed at %s: %s", e.node, e.reason)
+            return g, None, e
+
+    g, out, fail = attempt({})
+    budget = 4 * _MAX_ATTEMPTS
+    while fail is not None and budget > 0:
+        cone = _cone(gm, fail.node)
+        base = {x.key: x.choice for x in g.decisions}
+        live = [d for d in g.decisions if d.key[0] in cone and d.choice < _symbolic_options(d) - 1][::-1]
+        # one move, else two (a row index and its row count read as N together)
+        for moves in itertools.chain(itertools.combinations(live, 1), itertools.combinations(live, 2)):
+            budget -= 1
+            g2, out2, fail2 = attempt({**base, **{d.key: d.choice + 1 for d in moves}})
+            if fail2 is None or order[fail2.node] > order[fail.node] or budget <= 0:
+                g, out, fail = g2, out2, fail2
+                break
+        else:
+            break
+    if fail is None:
+        log.debug("hstu_inductor: generalised %s (steered) with %d choice(s) revised", sizes,
+                  sum(d.choice > 0 for d in g.decisions))
+        return out, g
+    raise GeneralizeError(f"could not generalise the sizes at {fail.node}: {fail.reason}")
+
+
+def _cone(gm, name) -> set:
+    """Names of the node called ``name`` and of every node it depends on."""
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    out, todo = set(), [node] if node is not None else []
+    while todo:
+        n = todo.pop()
+        if n.name not in out:
+            out.add(n.name)
+            todo += n.all_input_nodes
+    return out
+
+
+def _symbolic_options(d) -> int:
+    """How many of a choice's options (best first) are expressions of symbols (not the literal)."""
+    def numeric(o):
+        return all(sympy.sympify(x).is_number for x in (o if isinstance(o, (list, tuple)) else [o]))
+    return sum(not numeric(o) for o in d.options)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -816,6 +910,11 @@ def _generalised(gm, e, leaves, prove, rewrite):
         raise GeneralizeError("the candidate reads no fake tensor input")
     sizes = dataclasses.replace(e.sizes, descriptor=env[plan.offsets].name if plan.offsets in env else None,
                                 cut={env[n].name: d for n, d in e.sizes.cut.items() if n in env})
+    if sizes.B == 1:
+        # a batch of one stays one: the graph (offsets of 2 rows) admits no other B, and a size-1
+        # symbol is pinned to 1 by the first broadcast anyway. L and N still vary, one sequence of
+        # L rows per probe (as for Dynamo's B=1 graphs)
+        sizes = dataclasses.replace(sizes, B=None)
     first = None
     # literals as symbols first; then mask constants kept (a literal the mask does not use as one
     # of HSTU's constants, e.g. a contextual prefix of 2 whose c - 1 = 1 stays a literal; first

@@ -18,6 +18,11 @@ Modes (``MODES``):
   the size-1 batch, so this is the graph that serving at batch size 1 compiles. (A length of ``N``
   would share N's symbol, and 2 rows a static L; the graph then admits only that one input, on
   which a near miss can equal HSTU exactly: its rewrite is right, but measures nothing.)
+- ``fake_one``: one sequence at production size (``B=1, N=4096, H=4, D=128``), exported statically
+  under ``FakeTensorMode`` as ``fake_static`` (serving at batch size 1). The length is drawn per
+  seed (``one_length``): ``N`` for a third of the seeds (a full sequence, so ``L == N``), else
+  uniform in ``[N/4, N)``. Static shapes admit only that length (``offsets[1] == L``), so a
+  near miss is still told apart by the proof on small instances, never by this input.
 
 A record's ``outcome``: ``rewritten`` (HSTU, every attention layer rewritten), ``partial`` (some),
 ``declined`` (HSTU, none), ``near_miss_kept`` (a near miss left alone: right),
@@ -47,6 +52,7 @@ MODES = {
     "compile_static": dict(B=4, N=16, H=2, D=8),
     "compile_dynamic": dict(B=4, N=16, H=2, D=8),
     "compile_one": dict(B=1, N=16, H=2, D=8),
+    "fake_one": dict(B=1, N=4096, H=4, D=128),
 }
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 5e-2)}  # (outputs, gradients)
 
@@ -116,6 +122,13 @@ def _lengths(B, N, seed, L=None):
     return out
 
 
+def one_length(N: int, seed: int) -> int:
+    """``fake_one``'s single length: ``N`` for a third of the seeds, else uniform in ``[N/4, N)``
+    (a generator of its own, so the grammar's draw for the seed is unchanged)."""
+    rng = random.Random(seed * 7919 + 17)
+    return N if rng.random() < 1 / 3 else rng.randint(N // 4, N - 1)
+
+
 def _dynamic_shapes(s: Sample, inputs):
     auto = torch.export.Dim.AUTO
     return {"args": tuple(None if t.dim() == 0 else {0: auto} for t in inputs)}
@@ -127,7 +140,8 @@ def _fake(s: Sample, mode: str, rec: Record):
     with FakeTensorMode() as fake_mode:
         torch.manual_seed(s.seed)
         model = s.build(N, H, D)
-        inputs = s.inputs(B, N, H, D, lengths=_lengths(B, N, s.seed, L=B * N - 3 * N // 2), seed=s.seed)
+        lengths = [one_length(N, s.seed)] if B == 1 else _lengths(B, N, s.seed, L=B * N - 3 * N // 2)
+        inputs = s.inputs(B, N, H, D, lengths=lengths, seed=s.seed)
     if _uses_nested(s):
         rec.path = "compile"
         return _fake_compiled(model, inputs, mode, fake_mode)
@@ -159,7 +173,7 @@ def _fake_compiled(model, inputs, mode: str, fake_mode):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
     with collecting() as report, fake_mode, torch.no_grad():
         try:
-            torch.compile(model, backend="hstu_eager", dynamic=False if mode == "fake_static" else None)(*inputs)
+            torch.compile(model, backend="hstu_eager", dynamic=None if mode == "fake_auto" else False)(*inputs)
         except DynamicOutputShapeException:
             # running the compiled graph: a data-dependent op (kept in the graph) on fake tensors of a
             # mode without a shape env has no output size. Compiling (and rewriting) is done by then;
