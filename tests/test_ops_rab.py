@@ -253,7 +253,9 @@ def test_gpu_op_rab_intervals(compiled):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gpu_op_tables(compiled):
     """Path (b) through the op on the GPU (bf16 q/k/v, fp32 tables, int64 timestamps), eager and compiled,
-    against the fp64 reference (``relative_bias`` + dense path); a dense [1, H] rab on top in one call."""
+    against the fp64 reference (``relative_bias`` + dense path); a dense [1, H] rab on top in one call.
+    Compiled calls pass the default bucket's thresholds, as the patterns do: with ``ts_bounds=None`` the
+    op derives them by a 64-step bisection, which torch.compile traces (the test then ran > 7 min on the H100)."""
     torch.manual_seed(1)
     lengths, n, heads, d = [300, 1, 256, 97], 300, 2, 64
     q, k, v, off = (t.cuda() for t in random_jagged(lengths, heads, d, d, dtype=torch.float64, seed=10))
@@ -263,9 +265,11 @@ def test_gpu_op_tables(compiled):
     ts_w = (0.5 * torch.randn(129, device="cuda")).requires_grad_()
     rab = torch.randn(1, heads, n, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     nt = torch.tensor([3, 0, 5, 1], device="cuda")
+    bounds = time_bucket_bounds(128).cuda() if compiled else None
     for use_rab in (False, True):
         def fn(q_, k_, v_, r_, p_, t_):
-            return ops.attention(q_, k_, v_, off, n, 1.0 / d, nt, None, 64, 2, 0, True, r_, None, ts, p_, t_)
+            return ops.attention(q_, k_, v_, off, n, 1.0 / d, nt, None, 64, 2, 0, True, r_, None, ts, p_, t_,
+                                 bounds)
 
         f = torch.compile(fn, fullgraph=True) if compiled else fn
         ins = [q, k, v, rab if use_rab else None, pos_w, ts_w]
