@@ -25,22 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-VARIANTS = {
-    "default": {},
-    "nopp": dict(PINGPONG=False),
-    "nooverlap": dict(OVERLAP=False),
-    "nopp_nooverlap": dict(PINGPONG=False, OVERLAP=False),
-    "static": dict(DYNAMIC=False),
-    "kv3": dict(KV_STAGES=3),
-    "dq_k2v2": dict(DQ_KSTAGES=2, DQ_VSTAGES=2),
-    "dq_k3v3": dict(DQ_KSTAGES=3, DQ_VSTAGES=3),
-    "dq_regs": dict(DQ_REGS=True),
-    "dq_regs_noovl": dict(DQ_REGS=True, OVERLAP=False),
-    "dkdv_only": dict(RUN="dkdv"),
-    "dq_only": dict(RUN="dq"),
-    "dkdv_only_nopp": dict(RUN="dkdv", PINGPONG=False),
-    "dq_only_nopp": dict(RUN="dq", PINGPONG=False),
-}
+from hstu_inductor.kernels.gluon_backward import BWD_VARIANTS as VARIANTS  # noqa: E402
+
 DEFAULT_VARIANTS = ["default", "nopp", "nooverlap", "dq_regs_noovl", "kv3", "dkdv_only", "dq_only"]
 
 

@@ -71,7 +71,7 @@ from .gluon_attention import (
     gluon_supported,
 )
 
-__all__ = ["gluon_backward", "gluon_supported", "GLUON_BWD_CONFIG"]
+__all__ = ["gluon_backward", "gluon_supported", "GLUON_BWD_CONFIG", "BWD_VARIANTS"]
 
 GLUON_BWD_CONFIG = dict(
     BLOCK_N=64,          # dQ kernel: keys per stream tile
@@ -88,6 +88,25 @@ GLUON_BWD_CONFIG = dict(
     MAXNREG=168,         # 65536 / (12 warps * 32)
     RUN="both",          # "dkdv" / "dq": launch only that kernel (timing probes; the other gradients stay empty)
 )
+
+# Named overrides of GLUON_BWD_CONFIG (benchmarks/gluon_backward.py, scripts/gluon_bwd_smoke.py): the variants
+# measured on the H100; RUN times one kernel alone.
+BWD_VARIANTS = {
+    "default": {},
+    "nopp": dict(PINGPONG=False),
+    "nooverlap": dict(OVERLAP=False),
+    "nopp_nooverlap": dict(PINGPONG=False, OVERLAP=False),
+    "static": dict(DYNAMIC=False),
+    "kv3": dict(KV_STAGES=3),
+    "dq_k2v2": dict(DQ_KSTAGES=2, DQ_VSTAGES=2),
+    "dq_k3v3": dict(DQ_KSTAGES=3, DQ_VSTAGES=3),
+    "dq_regs": dict(DQ_REGS=True),
+    "dq_regs_noovl": dict(DQ_REGS=True, OVERLAP=False),
+    "dkdv_only": dict(RUN="dkdv"),
+    "dq_only": dict(RUN="dq"),
+    "dkdv_only_nopp": dict(RUN="dkdv", PINGPONG=False),
+    "dq_only_nopp": dict(RUN="dq", PINGPONG=False),
+}
 
 BLOCK_M: int = 64  # rows per consumer warpgroup (resident tiles) and query rows per dK/dV stream tile
 
