@@ -44,26 +44,27 @@ def _seed():
     return int.from_bytes(os.urandom(4), "little")
 
 
-def make_case(B, N, H, D, dtype, seed, *, layout="fused", targets=True, special=True):
+def make_case(B, N, H, D, dtype, seed, *, layout="fused", targets=True, special=True, device=DEV, lengths=None):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, N + 1, (B,), generator=g)
-    if special and B >= 4:
-        lengths[0], lengths[1], lengths[2] = N, 1, 0
-        lengths[3] = max(1, N - 1)
+    if lengths is None:
+        lengths = torch.randint(1, N + 1, (B,), generator=g)
+        if special and B >= 4:
+            lengths[0], lengths[1], lengths[2] = N, 1, 0
+            lengths[3] = max(1, N - 1)
     off = torch.zeros(B + 1, dtype=torch.int64)
     off[1:] = lengths.cumsum(0)
     L = int(off[-1])
     if layout == "fused":  # views of one fused projection, like uvqk[:, a:b].view(L, H, D)
-        fused = torch.randn(L, 4 * H * D, generator=g).to(dtype=dtype, device=DEV)
+        fused = torch.randn(L, 4 * H * D, generator=g).to(dtype=dtype, device=device)
         v = fused[:, H * D:2 * H * D].view(L, H, D)
         q = fused[:, 2 * H * D:3 * H * D].view(L, H, D)
         k = fused[:, 3 * H * D:].view(L, H, D)
     else:
-        q, k, v = (torch.randn(L, H, D, generator=g).to(dtype=dtype, device=DEV) for _ in range(3))
+        q, k, v = (torch.randn(L, H, D, generator=g).to(dtype=dtype, device=device) for _ in range(3))
     nt = None
     if targets:
-        nt = torch.minimum(torch.randint(0, 21, (B,), generator=g), lengths).to(DEV)
-    return q, k, v, off.to(DEV), nt
+        nt = torch.minimum(torch.randint(0, 21, (B,), generator=g), lengths).to(device)
+    return q, k, v, off.to(device), nt
 
 
 def _check(B, N, H, dtype, layout, targets, alpha, seed, config=None):

@@ -20,49 +20,21 @@ import torch
 import hstu_inductor  # noqa: F401  (registers torch.ops.hstu.*)
 from hstu_inductor.kernels import common
 from hstu_inductor.reference.attention import hstu_mha_backward
+from test_gluon_attention import _seed, _sm90, rel_err
+from test_gluon_attention import make_case as make_fwd_case
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
 TOL = 2.4e-3  # bf16/fp16 rel-norm error against fp64, per gradient
 
 
-def _sm90():
-    return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
-
-
-def rel_err(x, ref):
-    x, ref = x.double(), ref.double()
-    assert torch.isfinite(x).all(), "non-finite values (unwritten output?)"
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _seed():
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def make_case(B, N, H, D, dtype, seed, *, layout="fused", targets=True, special=True, device=DEV,
-              lengths=None):
-    g = torch.Generator().manual_seed(seed)
-    if lengths is None:
-        lengths = torch.randint(1, N + 1, (B,), generator=g)
-        if special and B >= 4:
-            lengths[0], lengths[1], lengths[2] = N, 1, 0
-            lengths[3] = max(1, N - 1)
-    off = torch.zeros(B + 1, dtype=torch.int64)
-    off[1:] = lengths.cumsum(0)
-    L = int(off[-1])
-    if layout == "fused":  # views of one fused projection, like uvqk[:, a:b].view(L, H, D)
-        fused = torch.randn(L, 4 * H * D, generator=g).to(dtype=dtype, device=device)
-        v = fused[:, H * D:2 * H * D].view(L, H, D)
-        q = fused[:, 2 * H * D:3 * H * D].view(L, H, D)
-        k = fused[:, 3 * H * D:].view(L, H, D)
-    else:
-        q, k, v = (torch.randn(L, H, D, generator=g).to(dtype=dtype, device=device) for _ in range(3))
-    grad = torch.randn(L, H, D, generator=g).to(dtype=dtype, device=device)
-    nt = None
-    if targets:
-        nt = torch.minimum(torch.randint(0, 21, (B,), generator=g), lengths).to(device)
-    return q, k, v, grad, off.to(device), nt
+def make_case(B, N, H, D, dtype, seed, *, layout="fused", targets=True, special=True, device=DEV, lengths=None):
+    """The forward tests' case plus an upstream gradient ``grad [L, H, D]``."""
+    q, k, v, off, nt = make_fwd_case(B, N, H, D, dtype, seed, layout=layout, targets=targets, special=special,
+                                     device=device, lengths=lengths)
+    g = torch.Generator().manual_seed(seed + 1)
+    grad = torch.randn(q.shape, generator=g).to(dtype=dtype, device=device)
+    return q, k, v, grad, off, nt
 
 
 # --------------------------------------------------------------------------------------------
