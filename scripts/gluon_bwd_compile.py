@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from gluon_compile import ptxas_report, summarize  # noqa: E402
+from gluon_compile import parse_args, ptxas_report, summarize  # noqa: E402
 from hstu_inductor.kernels import gluon_backward as gb  # noqa: E402
 
 
@@ -96,20 +96,7 @@ def sass_stats(cubin: bytes) -> str:
 
 
 def main(argv):
-    out_dir = None
-    if "--ptx" in argv:
-        i = argv.index("--ptx")
-        out_dir = argv[i + 1]
-        argv = argv[:i] + argv[i + 2:]
-        os.makedirs(out_dir, exist_ok=True)
-    variants = []
-    for a in argv:
-        name, _, rest = a.partition("=")
-        cfg = {}
-        for kv in filter(None, rest.split(",")):
-            k, v = kv.split(":") if ":" in kv else kv.split("=")
-            cfg[k] = v if k in ("dtype", "kernel") else (v == "True" if v in ("True", "False") else int(v))
-        variants.append((name, cfg))
+    variants, out_dir = parse_args(argv, text_keys=("dtype", "kernel"))
     if not variants:
         variants = [("dkdv_tgt", {"kernel": "dkdv"}), ("dq_tgt", {"kernel": "dq"}),
                     ("dkdv_notgt", {"kernel": "dkdv", "HAS_TGT": False}), ("dq_notgt", {"kernel": "dq", "HAS_TGT": False})]

@@ -92,7 +92,9 @@ def summarize(name, k, rep):
         print("   ", w)
 
 
-def main(argv):
+def parse_args(argv, text_keys=("dtype",)):
+    """``(variants, out_dir)`` from ``[--ptx DIR] NAME=k=v,k:v ...``: each variant a name and config overrides
+    (ints, True/False, or text for ``text_keys``); ``--ptx`` creates DIR."""
     out_dir = None
     if "--ptx" in argv:
         i = argv.index("--ptx")
@@ -105,8 +107,13 @@ def main(argv):
         cfg = {}
         for kv in filter(None, rest.split(",")):
             k, v = kv.split(":") if ":" in kv else kv.split("=")
-            cfg[k] = v if k == "dtype" else (v == "True" if v in ("True", "False") else int(v))
+            cfg[k] = v if k in text_keys else (v == "True" if v in ("True", "False") else int(v))
         variants.append((name, cfg))
+    return variants, out_dir
+
+
+def main(argv):
+    variants, out_dir = parse_args(argv)
     if not variants:
         variants = [("default_tgt", {}), ("default_notgt", {"HAS_TGT": False})]
     for name, cfg in variants:
