@@ -8,6 +8,17 @@ from hstu_inductor.patterns import run_rewriters
 from hstu_inductor.report import collecting
 
 
+class FnModule(torch.nn.Module):
+    """A plain function as a module, for ``torch.export.export``."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 def rewrite_exported(ep):
     """Run the rewriters on the ATen graph of ``ep`` (its own fake inputs). Returns (report, graph, seconds)."""
     vals = [n.meta["val"] for n in ep.graph_module.graph.find_nodes(op="placeholder")]

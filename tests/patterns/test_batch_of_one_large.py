@@ -14,18 +14,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hstu_inductor.reference import STULayer
 from hstu_inductor.testing import spellings_attention as sp
-from _rewrite import rewrite_exported
+from _rewrite import FnModule as _Fn, rewrite_exported
 
 N, H, D = 4096, 4, 128
-
-
-class _Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _export(module, args_fn):

@@ -17,17 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import hstu_inductor
 from hstu_inductor.testing import spellings_attention as sp
 from hstu_inductor.report import collecting
-from _rewrite import rewrite_exported
+from _rewrite import FnModule as _Fn, rewrite_exported
 from _helpers import REWRITE_BACKEND
-
-
-class _Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _rewrite_fake(fn, B, N, H, D, monkeypatch, need_nt=False, row_scale=False, L=None):
