@@ -40,7 +40,7 @@ from ._kernels import load
 
 log = logging.getLogger("hstu_inductor")
 
-__all__ = ["route", "route_bwd", "gluon_fwd", "gluon_bwd"]
+__all__ = ["route", "route_bwd", "forward", "backward", "gluon_fwd", "gluon_bwd"]
 
 _D = 128
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -151,8 +151,11 @@ def route_bwd(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, num_targets: Option
     return _launch_mode(grad, q, k, v, num_targets)
 
 
-def direct(q, k, v, seq_offsets, max_seq_len, alpha, num_targets):
-    return _module().gluon_forward(q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+def forward(how: str, q, k, v, seq_offsets, max_seq_len, alpha, num_targets):
+    """The Gluon forward, launched as :func:`route` said (``"direct"`` / ``"op"``)."""
+    if how == "direct":
+        return _module().gluon_forward(q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+    return torch.ops.hstu._gluon_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
 
 
 @torch.library.custom_op("hstu::_gluon_fwd", mutates_args=())

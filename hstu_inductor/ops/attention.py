@@ -113,10 +113,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
     if kern is not None:
         how = _gluon.route(q, k, v, num_targets, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len,
                            causal, not plain)
-        if how == "direct":
-            return _gluon.direct(q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
-        if how == "op":
-            return torch.ops.hstu._gluon_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+        if how is not None:
+            return _gluon.forward(how, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
         return kern.hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
                                        max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, tma=_tma(),
                                        **_bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds))
