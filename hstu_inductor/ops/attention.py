@@ -99,8 +99,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
     """Jagged HSTU attention forward, ``[L, H, Dv]`` (see ``reference.hstu_mha``); the bias inside the silu is
     ``rab`` plus the table bias of ``timestamps``/``pos_w``/``ts_w`` (docs/semantics.md), time buckets from the
     thresholds ``ts_bounds`` (None: those of the default fp64-log bucket)."""
-    plain = (rab is None and intervals is None and timestamps is None and pos_w is None and ts_w is None
-             and ts_bounds is None)
+    plain = not _has_bias(rab, intervals, timestamps, pos_w, ts_w, ts_bounds)
     if not (plain and _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
                                        contextual_seq_len, min_full_attn_seq_len, causal)):
         validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
@@ -123,6 +122,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
                     contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len,
                     rab=_dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds),
                     intervals=intervals).contiguous()
+
+
+def _has_bias(*bias_args) -> bool:
+    """Any of rab, intervals, timestamps, pos_w, ts_w, ts_bounds given (the kernels' bias/mask extras)."""
+    return any(t is not None for t in bias_args)
 
 
 def _has_tables(pos_w, ts_w) -> bool:
@@ -161,10 +165,9 @@ def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale
     need_rab = need_rab_grad and rab is not None
     empty = lambda: q.new_empty(0)  # noqa: E731  (a fresh one per output: outputs may not alias)
     kern = None if need_scale_grad else _kernels_for(q)
-    has_bias = not all(t is None for t in (rab, intervals, timestamps, pos_w, ts_w, ts_bounds))
     how = None if kern is None else _gluon.route_bwd(
         grad, q, k, v, num_targets, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal,
-        has_bias, need_scale_grad)
+        _has_bias(rab, intervals, timestamps, pos_w, ts_w, ts_bounds), need_scale_grad)
     if how is not None:  # no bias in scope: no d_rab / table gradients to return
         dq, dk, dv = _gluon.backward(how, grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
         d_scale, d_rab, d_pos, d_ts = empty(), None, None, None
