@@ -433,6 +433,12 @@ class _Generaliser:
                 out.append((expr, math.prod(self.atoms[i][1] for i in combo), r))
         return out
 
+    @staticmethod
+    def _rel_position_sizes(n_expr, n: int, c: int) -> list:
+        """Expressions of N (``n_expr``, value ``n``) worth ``c`` as a relative-position table's sizes: 2N - 1
+        rows, the pad-and-repeat trick's 3N - 2 / 3N - 1 (sizes and index arithmetic alike)."""
+        return [sympy.expand(k * n_expr + d) for k in (2, 3) for d in (-2, -1, 0, 1) if c == k * n + d]
+
     def size_options(self, c: int):
         """Expressions of atoms whose value is ``c`` (best first), then ``c`` itself."""
         opts = []
@@ -445,9 +451,8 @@ class _Generaliser:
         # one row more or less than N or L (a buffer with a sentinel row, L + 1 slots for a cumsum)
         opts += [(0, 1, sympy.expand(e + d)) for e, h, kind in self.named_atoms if kind in ("N", "L")
                  for d in (1, -1) if c == h + d]
-        # a relative-position table's sizes: 2N - 1 rows, the pad-and-repeat trick's 3N - 2 / 3N - 1
-        opts += [(0, 1, sympy.expand(k * e + d)) for e, h, kind in self.named_atoms if kind == "N"
-                 for k in (2, 3) for d in (-2, -1, 0, 1) if c == k * h + d]
+        opts += [(0, 1, x) for e, h, kind in self.named_atoms if kind == "N"
+                 for x in self._rel_position_sizes(e, h, c)]
         seen, out = set(), []
         for _, _, e in opts:
             if e not in seen:
@@ -467,8 +472,8 @@ class _Generaliser:
             for off in offs:
                 if c == h + off and c >= 2:
                     opts.append(sympy.expand(expr + off))
-            if kind == "N":  # a relative-position window: 2N - 1, 3N - 2 (pad-and-repeat)
-                opts += [sympy.expand(k * expr + d) for k in (2, 3) for d in (-2, -1, 0, 1) if c == k * h + d]
+            if kind == "N":
+                opts += self._rel_position_sizes(expr, h, c)
         for (e1, h1, k1), (e2, h2, k2) in itertools.combinations(self.named_atoms, 2):
             if {k1, k2} == {"B", "N"} and c == h1 * h2:
                 opts.append(sympy.expand(e1 * e2))
@@ -759,17 +764,15 @@ def generalise(gm: torch.fx.GraphModule, sizes: Sizes, arith: bool = True, const
     steered by a small instance on which they differ (``generalize_small``), then taken unsteered."""
     if generalize_small.coincide(sizes) and not gm.meta.get("hstu_unsteerable"):
         try:
-            return _generalise(gm, sizes, arith, consts, steer=True)
+            return _generalise_steered(gm, sizes, arith, consts)
         except GeneralizeError as e:
             log.debug("hstu_inductor: no reading of the sizes runs on a small instance (%s)", e)
             gm.meta["hstu_unsteerable"] = True  # the other levels read the same sizes: not again
     return _generalise(gm, sizes, arith, consts)
 
 
-def _generalise(gm, sizes, arith, consts, steer=False):
-    """One generalisation: unsteered, a choice contradicted later is revised depth first."""
-    if steer:
-        return _generalise_steered(gm, sizes, arith, consts)
+def _generalise(gm, sizes, arith, consts):
+    """One unsteered generalisation: a choice contradicted later is revised depth first."""
     overrides: dict = {}
     last = None
     for _ in range(_MAX_ATTEMPTS):
