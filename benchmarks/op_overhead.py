@@ -16,7 +16,10 @@ Modes (``config.check_inputs`` and how the checks are spelled):
 - ``auto_aten``: ``auto`` with the ATen spelling that compiled graphs keep (~15 small launches; the
   eager path before the fused check), for comparison in the same run.
 Breakdown rows (``part``): ``op`` (the whole call), ``kernel_fn`` (``kernels.attention.hstu_attention_fwd``
-alone: allocation and the Triton launcher), ``checks`` (``check_jagged_values`` alone).
+alone: allocation and the Triton launcher), ``checks`` (``check_jagged_values`` alone), and with
+``--compiled`` ``compiled`` (the plain reference attention under ``torch.compile(backend="hstu")``, static
+shapes, inference: guards, the compiled wrapper and the rewritten op together), ``gluon_fn`` (the Gluon
+forward's host function alone, sm90) and ``empty_op`` (a custom op that only allocates: the dispatch floor).
 
 ``--cpu-python``: without a GPU, the Python part of the op's CUDA branch on CPU tensors with every
 launch stubbed out (dispatch, validation, launch-argument set-up; no checks, no launcher), with the
@@ -98,6 +101,40 @@ def gpu_us(fn, calls):
     return start.elapsed_time(end) * 1e3 / calls
 
 
+def compiled_call(q, k, v, off, N, nt):
+    """A no-grad call of the plain reference attention compiled with ``backend="hstu"`` (static shapes);
+    raises if the attention was not rewritten (a stock-Inductor time would be misread as ours)."""
+    from hstu_inductor.reference import hstu_mha
+    from hstu_inductor.report import collecting
+
+    fn = torch.compile(lambda *a: hstu_mha(N, ALPHA, *a, num_targets=nt), backend="hstu", dynamic=False)
+    with torch.no_grad(), collecting() as report:
+        fn(q, k, v, off)
+    if report.counts.get("attention", 0) != 1:
+        raise RuntimeError(f"backend=hstu did not rewrite the attention:\n{report}")
+
+    def call():
+        with torch.no_grad():
+            return fn(q, k, v, off)
+    return call
+
+
+@torch.library.custom_op("hstu_bench::empty", mutates_args=())
+def _empty_op(q: torch.Tensor) -> torch.Tensor:
+    """The floor of any custom op's dispatch: an op that only allocates an empty tensor."""
+    return q.new_empty(0)
+
+
+def gluon_fn(q, k, v, off, N, nt):
+    """The Gluon forward's host function alone (None where it does not apply: the row is then skipped)."""
+    from hstu_inductor.ops import _gluon
+
+    mod = _gluon._module()
+    if mod is None or not mod.gluon_supported(q.device):
+        return lambda: None
+    return lambda: mod.gluon_forward(q, k, v, off, N, ALPHA, nt, checked=True)
+
+
 def run_cuda(args):
     import hstu_inductor
     from hstu_inductor.kernels import attention as K
@@ -113,6 +150,11 @@ def run_cuda(args):
             parts = {"op": lambda: op_call(*x),
                      "kernel_fn": lambda: K.hstu_attention_fwd(q, k, v, off, N, ALPHA, nt),
                      "checks": lambda: checks.check_jagged_values(off, q.shape[0], N, nt)}
+            if args.compiled:
+                torch._dynamo.reset()
+                parts["compiled"] = compiled_call(*x)
+                parts["gluon_fn"] = gluon_fn(*x)
+                parts["empty_op"] = lambda: torch.ops.hstu_bench.empty(q)
             for mode, (check_inputs, fused) in modes.items():
                 with hstu_inductor.config.patch(check_inputs=check_inputs), \
                         mock.patch.object(checks, "_fused_ok", checks._fused_ok if fused else lambda *a: False):
@@ -121,6 +163,8 @@ def run_cuda(args):
                             continue  # no checks in it: one row is enough
                         if part == "checks" and mode == "off":
                             continue
+                        if part in ("compiled", "gluon_fn", "empty_op") and mode != "auto":
+                            continue  # compiled graphs keep their own checks: one row
                         for _ in range(3):  # warm up: Triton compiles, caches
                             fn()
                         med, best, covered = host_us(fn, args.calls, args.reps, stall)
@@ -143,26 +187,36 @@ def run_profile(args):
 
     stall = int(args.stall_ms * sleep_cycles_per_ms())
     x = inputs(args.batch[0], args.n[0], "cuda")
+    call = compiled_call(*x) if args.compiled else (lambda: op_call(*x))
+    what = "the compiled plain attention" if args.compiled else "hstu::attention"
     for _ in range(5):
-        op_call(*x)
+        call()
     torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as tprof:
+        for _ in range(10):
+            call()
+        torch.cuda.synchronize()
+    table = tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     prof = cProfile.Profile()
     calls = 0
     for _ in range(args.reps):
         torch.cuda._sleep(stall)
         prof.enable()
         for _ in range(args.calls):
-            op_call(*x)
+            call()
         prof.disable()
         calls += args.calls
         torch.cuda.synchronize()
     buf = io.StringIO()
     st = pstats.Stats(prof, stream=buf)
-    buf.write(f"{calls} calls of hstu::attention (N={args.n[0]}, B={args.batch[0]}); times are totals\n")
+    buf.write(f"torch.profiler, 10 calls of {what}:\n{table}\n")
+    buf.write(f"{calls} calls of {what} (N={args.n[0]}, B={args.batch[0]}); times are totals\n")
     st.sort_stats("tottime").print_stats(35)
     st.sort_stats("cumulative").print_stats(35)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "op_overhead_profile.txt"), "w") as f:
+    name = "compiled_overhead_profile.txt" if args.compiled else "op_overhead_profile.txt"
+    with open(os.path.join(args.out, name), "w") as f:
         f.write(buf.getvalue())
     print(buf.getvalue()[:6000])
 
@@ -206,6 +260,8 @@ def main():
     ap.add_argument("--stall-ms", type=float, default=50.0, help="GPU stall covering one timing's host loop")
     ap.add_argument("--cpu-python", action="store_true", help="no GPU: the Python part only, launches stubbed")
     ap.add_argument("--profile", action="store_true", help="cProfile of op calls at the first --n / --batch")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time (with --profile: profile) the plain attention compiled with backend='hstu'")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")

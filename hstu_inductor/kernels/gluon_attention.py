@@ -30,6 +30,7 @@ fe = floor(min(first row, M) / BLOCK_N), M = n - targets).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -632,6 +633,20 @@ def _num_sms(device) -> int:
     return _SMS[idx]
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, d: int, dtype: torch.dtype):
+    """The NVMMA shared layout of a [rows, d] tile (cached: building it costs several microseconds a call)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, d], _GL_DTYPES[dtype])
+
+
+def _scheduling(cfg: dict, n_items: int, device) -> tuple:
+    """(grid, dynamic) of a persistent launch: one CTA per SM at most; items from the global counter only when
+    there are more items than CTAs (otherwise each CTA takes its own item, the same assignment, and the
+    counter's allocation and memset, host time of every small call, are saved)."""
+    grid = min(n_items, _num_sms(device))
+    return (grid, ), bool(cfg["DYNAMIC"]) and n_items > grid
+
+
 def _desc_2d(t: torch.Tensor, block_rows: int, layout):
     """TMA descriptor on the [L, H*D] 2-D view of a [L, H, D] tensor with unit stride on D and heads adjacent."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -666,11 +681,13 @@ def _check(q, k, v, seq_offsets, num_targets, kwargs):
 
 def gluon_forward(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targets=None, *, config=None,
                   attn_scale=None, max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True,
-                  rab=None, intervals=None):
-    """HSTU attention forward ``[L, H, 128] -> [L, H, 128]`` (causal, optional targets, scale 1/max_seq_len)."""
-    _check(q, k, v, seq_offsets, num_targets,
-           dict(attn_scale=attn_scale, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
-                min_full_attn_seq_len=min_full_attn_seq_len, rab=rab, intervals=intervals))
+                  rab=None, intervals=None, checked=False):
+    """HSTU attention forward ``[L, H, 128] -> [L, H, 128]`` (causal, optional targets, scale 1/max_seq_len).
+    ``checked``: the caller (``ops/_gluon.route``) has already proven the call in scope; skip the checks."""
+    if not checked:
+        _check(q, k, v, seq_offsets, num_targets,
+               dict(attn_scale=attn_scale, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
+                    min_full_attn_seq_len=min_full_attn_seq_len, rab=rab, intervals=intervals))
     if not causal:
         raise NotImplementedError("gluon_forward: causal=False")
     cfg = {**GLUON_CONFIG, **(config or {})}
@@ -680,9 +697,7 @@ def gluon_forward(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targ
     if L == 0 or B <= 0 or max_seq_len <= 0:
         return out.zero_()
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    gdt = _GL_DTYPES[q.dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([BM, D], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([BN, D], gdt)
+    q_layout, kv_layout = _smem_layout(BM, D, q.dtype), _smem_layout(BN, D, q.dtype)
     q_desc = _desc_2d(q, BM, q_layout)
     k_desc = _desc_2d(k, BN, kv_layout)
     v_desc = _desc_2d(v, BN, kv_layout)
@@ -695,12 +710,12 @@ def gluon_forward(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targ
                 PRODUCER_REGS=cfg["PRODUCER_REGS"],
                 num_warps=4, maxnreg=cfg["MAXNREG"])
     if cfg["PERSISTENT"]:
-        grid = (min(n_items, _num_sms(q.device)), )
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if cfg["DYNAMIC"] else seq_offsets
+        grid, dynamic = _scheduling(cfg, n_items, q.device)
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else seq_offsets
         _hstu_fwd_ws_persistent_kernel[grid](
             q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt, counter,
             out.stride(0), H, L, max_seq_len, n_items, 0.5 * float(alpha), 1.0 / max_seq_len,
-            DYNAMIC=cfg["DYNAMIC"], **meta)
+            DYNAMIC=dynamic, **meta)
     else:
         _hstu_fwd_ws_kernel[(n_items, )](
             q_desc, k_desc, v_desc, o_desc, out, seq_offsets, tgt,

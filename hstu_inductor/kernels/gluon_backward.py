@@ -56,14 +56,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .common import new_tensor
 from .gluon_attention import (
-    _GL_DTYPES,
     _check,
     _desc_2d,
     _get_item,
     _item,
     _load_k,
     _mask_tile,
-    _num_sms,
+    _scheduling,
+    _smem_layout,
     _pass_tiles,
     _post_item,
     _store_rows,
@@ -688,12 +688,14 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
 
 def gluon_backward(grad, q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targets=None, *, config=None,
                    attn_scale=None, max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True,
-                   rab=None, intervals=None):
+                   rab=None, intervals=None, checked=False):
     """(dq, dk, dv) of the HSTU attention forward ``[L, H, 128]`` (causal, optional targets, scale 1/max_seq_len);
-    the Triton backward's (``attention.hstu_attention_bwd``) results. Outside that scope: NotImplementedError."""
-    _check(q, k, v, seq_offsets, num_targets,
-           dict(attn_scale=attn_scale, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
-                min_full_attn_seq_len=min_full_attn_seq_len, rab=rab, intervals=intervals))
+    the Triton backward's (``attention.hstu_attention_bwd``) results. Outside that scope: NotImplementedError.
+    ``checked``: the caller (``ops/_gluon.route_bwd``) has already proven the call in scope."""
+    if not checked:
+        _check(q, k, v, seq_offsets, num_targets,
+               dict(attn_scale=attn_scale, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
+                    min_full_attn_seq_len=min_full_attn_seq_len, rab=rab, intervals=intervals))
     if not causal:
         raise NotImplementedError("gluon_backward: causal=False")
     cfg = {**GLUON_BWD_CONFIG, **(config or {})}
@@ -710,17 +712,15 @@ def gluon_backward(grad, q, k, v, seq_offsets, max_seq_len: int, alpha: float, n
     if L == 0 or B <= 0 or max_seq_len <= 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     BM, BN = BLOCK_M, cfg["BLOCK_N"]
-    gdt = _GL_DTYPES[q.dtype]
-    m_layout = gl.NVMMASharedLayout.get_default_for([BM, D], gdt)
-    n_layout = gl.NVMMASharedLayout.get_default_for([BN, D], gdt)
+    m_layout, n_layout = _smem_layout(BM, D, q.dtype), _smem_layout(BN, D, q.dtype)
     n_blocks = triton.cdiv(max_seq_len, 2 * BM)
     n_items = B * H * n_blocks
-    grid = (min(n_items, _num_sms(q.device)), )
+    grid, dynamic = _scheduling(cfg, n_items, q.device)
     tgt = num_targets if num_targets is not None else seq_offsets
-    counters = torch.zeros(2, dtype=torch.int32, device=q.device)
+    counters = torch.zeros(2, dtype=torch.int32, device=q.device) if dynamic else seq_offsets[:2]
     half_alpha = 0.5 * float(alpha)
     scale = 1.0 / max_seq_len
-    common = dict(HAS_TGT=num_targets is not None, PINGPONG=cfg["PINGPONG"], DYNAMIC=cfg["DYNAMIC"],
+    common = dict(HAS_TGT=num_targets is not None, PINGPONG=cfg["PINGPONG"], DYNAMIC=dynamic,
                   CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=4,
                   maxnreg=cfg["MAXNREG"])
     run = cfg["RUN"]

@@ -154,18 +154,31 @@ def route_bwd(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, num_targets: Option
 def forward(how: str, q, k, v, seq_offsets, max_seq_len, alpha, num_targets):
     """The Gluon forward, launched as :func:`route` said (``"direct"`` / ``"op"``)."""
     if how == "direct":
-        return _module().gluon_forward(q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+        return _module().gluon_forward(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, checked=True)
     return torch.ops.hstu._gluon_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
 
 
-@torch.library.custom_op("hstu::_gluon_fwd", mutates_args=())
+# The opaque ops are registered with ``torch.library.Library`` rather than ``custom_op``: a compiled graph calls
+# them once per step from Inductor's Python wrapper, and custom_op's Python dispatch layers (autograd wrapper,
+# redispatch, output-alias checks) cost tens of microseconds per call (benchmarks/RESULTS.md, session 11). Their
+# inputs never require grad there (the graphs run below autograd), so they have no autograd formula.
+_LIB = torch.library.Library("hstu", "FRAGMENT")
+_LIB.define("_gluon_fwd(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, SymInt max_seq_len, float alpha, "
+            "Tensor? num_targets=None) -> Tensor")
+_LIB.define("_gluon_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor seq_offsets, SymInt max_seq_len, "
+            "float alpha, Tensor? num_targets=None) -> (Tensor, Tensor, Tensor)")
+
+
 def gluon_fwd(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int, alpha: float,
               num_targets: Optional[Tensor] = None) -> Tensor:
     """The Gluon forward as an opaque op (what traced calls of ``hstu::attention`` record)."""
-    return _module().gluon_forward(q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+    return _module().gluon_forward(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, checked=True)
 
 
-@gluon_fwd.register_fake
+_LIB.impl("_gluon_fwd", gluon_fwd, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("hstu::_gluon_fwd", lib=_LIB)
 def _(q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
@@ -173,18 +186,21 @@ def _(q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None):
 def backward(how: str, grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets):
     """``(dq, dk, dv)`` by the Gluon backward, launched as :func:`route_bwd` said (``"direct"`` / ``"op"``)."""
     if how == "direct":
-        return _bwd_module().gluon_backward(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+        return _bwd_module().gluon_backward(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, checked=True)
     return torch.ops.hstu._gluon_bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
 
 
-@torch.library.custom_op("hstu::_gluon_bwd", mutates_args=())
 def gluon_bwd(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int, alpha: float,
               num_targets: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """The Gluon backward as an opaque op (what traced calls of ``hstu::attention_bwd`` record)."""
-    dq, dk, dv = _bwd_module().gluon_backward(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
+    dq, dk, dv = _bwd_module().gluon_backward(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets,
+                                              checked=True)
     return dq, dk, dv
 
 
-@gluon_bwd.register_fake
+_LIB.impl("_gluon_bwd", gluon_bwd, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("hstu::_gluon_bwd", lib=_LIB)
 def _(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
