@@ -2,18 +2,24 @@
 
 Providers, one process, same inputs (B sequences of lengths U[0.9N, N), H heads, bf16, causal):
   * ``ours``      ``kernels.delta.delta_attention_fwd`` (what the op runs) on ``delta_q: [B*D, H, Dq]`` (key range split
-                  across programs for D <= 128, kernels/delta.py); ``ours_rowblk``: the full forward's
-                  row blocks, one program per (sequence, head, row block), as before issue 22;
-                  ``split_cK``: kernels/delta.py with its config K (``--configs``);
+                  across programs for D <= 64 where the row blocks leave the GPU idle, the partials folded
+                  in the same launch; kernels/delta.py); ``ours_rowblk``: the full forward's row blocks, one
+                  program per (sequence, head, row block), as before issue 22;
+  * ``s9``        session 9's plan: config (64, 3, 8), its split rule (~4 programs per SM), the partials summed
+                  by a second launch; ``s9_fold``: the same plan folded in one launch (bitwise equal to
+                  ``s9``: checked); ``s9_fold_fresh`` (``--fresh``): with a zeroed counter buffer per call
+                  (one memset, what traced and captured launches get);
+  * ``cK`` / ``sS``  kernels/delta.py with its config K (``--configs``) / with split S (``--splits``);
   * ``dense``     what a model without a delta path does: the full forward over all L rows
                   (``kernels.hstu_attention_fwd``), of which only the last D rows per sequence are used;
   * ``gr_tma`` / ``gr``  generative-recommenders' ``triton_cached_hstu_mha`` (TMA on / off), imported
                   like in ``attention.py`` from ``HSTU_ANCHOR_PATH`` (default ./.anchor) when present.
 
-Every provider's delta rows are checked against the dense forward's rows (relative norm error).
+Every provider's delta rows are checked against the dense forward's rows (relative norm error), and
+against a second call of itself (``rep``: ``=`` when bitwise equal).
 FLOPs counted for the delta rows only: sum_b H * D * n_b * (Dq + Dv) * 2.
 
-    python benchmarks/delta_attention.py --n 1024 4096 --delta 1 16 128
+    python benchmarks/delta_attention.py --n 1024 4096 --delta 1 16 128 [--fresh --configs 1 3 --splits 1 2 4]
 """
 from __future__ import annotations
 
@@ -28,6 +34,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from attention import _anchor, bench  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
+def _s9_split(programs, N, device):
+    """Session 9's split rule: ~4 programs per SM, >= 4 key tiles of 64 per split, at most 16."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 132
+    return max(1, min(-(-4 * sms // programs), -(-N // 64) // 4, 16))
+
+
+def _fresh(Kd, fn):
+    Kd.CACHE_COUNTERS = False
+    try:
+        return fn()
+    finally:
+        Kd.CACHE_COUNTERS = True
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
@@ -37,6 +57,8 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--configs", type=int, nargs="*", default=[], help="also time kernels/delta.py's configs")
+    ap.add_argument("--splits", type=int, nargs="*", default=[], help="also time these splits (default config)")
+    ap.add_argument("--fresh", action="store_true", help="also time s9_fold with a zeroed counter buffer per call")
     args = ap.parse_args()
 
     from hstu_inductor.kernels import attention as K
@@ -51,7 +73,7 @@ def main():
         gr = None
         print("anchor not found (HSTU_ANCHOR_PATH): gr providers skipped")
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}  B={B} H={H} D={Dm} bf16")
-    print(f"{'N':>5} {'D':>4} {'provider':8s} {'ms':>9} {'TFLOP/s':>8} {'x dense':>8}  rel_err")
+    print(f"{'N':>5} {'D':>4} {'provider':13s} {'ms':>9} {'TFLOP/s':>8} {'x dense':>8}  rel_err  rep")
     for N in args.n:
         g = torch.Generator().manual_seed(N)
         lengths = torch.randint(int(0.9 * N), N, (B,), generator=g)
@@ -73,26 +95,39 @@ def main():
             runs = {"ours": lambda: Kd.delta_attention_fwd(dq, k, v, off, N, alpha),
                     # before issue 22: the full forward's row blocks, one program per (sequence, head)
                     "ours_rowblk": lambda: K._fwd(dq, k, v, off, N, alpha, None, None, 0, 0, 0, True, D, None)}
-            for cfg in args.configs:
-                runs[f"split_c{cfg}"] = (lambda cfg=cfg: Kd.delta_forward(dq, k, v, off, N, alpha,
-                                                                          config=Kd._CONFIGS[cfg]))
+            if D <= Kd.max_delta_rows():
+                s9 = dict(config=Kd._CONFIGS[1], split=_s9_split(B * H * -(-D // Kd._block_m(D)), N, device))
+                runs["s9"] = lambda: Kd.delta_forward(dq, k, v, off, N, alpha, fold=False, **s9)
+                runs["s9_fold"] = lambda: Kd.delta_forward(dq, k, v, off, N, alpha, **s9)
+                if args.fresh:
+                    runs["s9_fold_fresh"] = lambda: _fresh(Kd, lambda: Kd.delta_forward(dq, k, v, off, N, alpha, **s9))
+                for cfg in args.configs:
+                    runs[f"c{cfg}"] = (lambda cfg=cfg: Kd.delta_forward(dq, k, v, off, N, alpha,
+                                                                        config=Kd._CONFIGS[cfg]))
+                for split in args.splits:
+                    runs[f"s{split}"] = lambda split=split: Kd.delta_forward(dq, k, v, off, N, alpha, split=split)
             if gr is not None:
                 for name, tma in (("gr_tma", True), ("gr", False)):
                     runs[name] = (lambda tma=tma: gr.triton_cached_hstu_mha(N, alpha, dq, k, v, off, None, 0, 0, tma))
             runs["dense"] = None
+            outs = {}
             for name, fn in runs.items():
+                rep = ""
                 if fn is None:
                     ms, err = t_dense, 0.0
                 else:
                     try:
-                        out = fn()
+                        out = outs[name] = fn()
                         err = ((out.float() - want).norm() / want.norm()).item()
+                        rep = "=" if torch.equal(out, fn()) else "DIFF"
                         ms = bench(fn, args.rep)
                     except Exception as e:  # an anchor without this entry point / config
-                        print(f"{N:5d} {D:4d} {name:8s} n/a: {type(e).__name__}: {str(e)[:100]}")
+                        print(f"{N:5d} {D:4d} {name:13s} n/a: {type(e).__name__}: {str(e)[:100]}")
                         continue
-                print(f"{N:5d} {D:4d} {name:8s} {ms:9.4f} {flops / (ms * 1e-3) / 1e12:8.1f} "
-                      f"{t_dense / ms:8.1f}  {err:.2e}", flush=True)
+                print(f"{N:5d} {D:4d} {name:13s} {ms:9.4f} {flops / (ms * 1e-3) / 1e12:8.1f} "
+                      f"{t_dense / ms:8.1f}  {err:.2e} {rep}", flush=True)
+            if "s9" in outs and not torch.equal(outs["s9"], outs["s9_fold"]):
+                print(f"{N:5d} {D:4d} s9_fold differs from s9 bitwise", flush=True)
 
 
 if __name__ == "__main__":

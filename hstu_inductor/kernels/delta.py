@@ -1,16 +1,36 @@
 """Cached (delta) attention for few new rows per sequence: the key range split across programs.
 
 With D <= 64 new rows per sequence, the work of one (sequence, head) is one narrow row block that
-streams the whole K/V cache: B * H programs, each reading ~n * (Dq + Dv) * 2 bytes. At B * H = 512
-programs on 132 SMs that is ~1.3 waves of long programs, so the tail leaves SMs idle, and the full
-forward's 128-row blocks spend tensor-core time on rows that do not exist (issue 22 item 4).
-
-Here each (sequence, head, row block) is split into ``S`` programs over disjoint key ranges. HSTU
-has no softmax: the output is a plain sum over keys, so the partial outputs add exactly, without a
-rescaling pass. Each program writes its scaled fp32 partial ``[S, rows, H, Dv]`` once and a small
-kernel sums the ``S`` partials in a fixed order (deterministic; no atomics, no zeroing). ``S = 1``
+streams the whole K/V cache: B * H programs, each reading ~n * (Dq + Dv) * 2 bytes. When these row
+blocks leave program slots of the GPU empty, each is split into ``S`` programs over disjoint key ranges
+(:func:`choose_split`: as many as one wave holds, so a split never adds a wave). HSTU has no softmax: the
+output is a plain sum over keys, so the partial outputs add exactly, without a rescaling pass. Each
+program writes its scaled fp32 partial ``[S, rows, H, Dv]``; the last of the ``S`` programs to finish (an
+atomic counter per row block) sums them in the fixed order s = 0, 1, ... and writes the output. One
+launch, and bitwise repeatable: the order does not depend on which program finishes last. ``S = 1``
 stores straight into the output. Row blocks are the delta rows rounded up to 16-64. (At 128 rows the
 full forward's row blocks were faster on the H100: 0.129 against 0.183 ms at N=1024, B=128.)
+
+Why (issue 22 item 4). On the H100 (N=1024, B=128, H=4, 1 row, bf16) the split kernel of session 9 (split
+2, config (64, 3, 8)) ran as long as GR's kernel in ncu (92.4 us, 84 % of DRAM bandwidth), but do_bench gave
+0.107 against 0.101 ms: the difference was a second launch that summed the partials, and its buffer.
+* The fold in the last program removes that launch. Its counters must be zero at launch: see
+  :func:`_counters` for why a plain eager launch reuses a buffer (no memset) and a traced or captured one
+  gets a fresh zeroed buffer (one small memset, no hidden state in a graph).
+* No split when the row blocks fill the GPU. The default config (32, 3, 4) compiles to 96 registers and
+  37 KB of shared memory (sm90, ``scripts/delta_occupancy.py``): an SM holds 5 programs, so 512 row blocks
+  are one wave on 132 SMs and need no partials at all (GR's shape: 512 programs in one wave). Session 9's
+  (64, 3, 8) holds 3 (2 with the fold's code: ptxas then takes 98 registers instead of 80), so 512 programs
+  were 1.3 waves, which the split had to fix.
+* Not taken: fp32 atomics into the output (the sum's order, hence its bits, would vary, and the output
+  would need zeroing); thread-block clusters summing in distributed shared memory (one launch without
+  counters, but not expressible in Triton 3.6).
+
+Prediction (H100, N=1024, B=128, H=4, bf16; to be measured, ``GPU_TODO.md``): at 1 and 16 rows one wave of
+512 programs without a split, 0.100-0.104 ms (GR 0.101; session 9 0.107 / 0.111). The fold on session 9's
+plan (split 2, (64, 3, 8)) saves the sum kernel (~4-5 us) but drops to 2 programs per SM: ~0.102-0.106.
+Bandwidth: K+V is 254 MB, so 0.101 ms is 2.5 TB/s, 75 % of 3.35 TB/s in do_bench time; the kernels' own
+DRAM throughput in ncu was 84-86 %. Reaching 85 % in do_bench time needs faster loads, not fewer launches.
 
 The key ranges, the element-wise mask and the silu are the full forward's own jit helpers, so every
 mask option of cached attention means the same here.
@@ -30,9 +50,10 @@ from .common import address_source, interpret, launcher, new_tensor
 
 __all__ = ["delta_attention_fwd", "delta_forward", "max_delta_rows", "choose_split"]
 
-# (BLOCK_N, num_stages, num_warps). Row blocks of 16-32 rows use mma.sync with K/V in registers: sm90
-# ptxas gives (32, 4, 8) 125 registers (two CTAs per SM), (64, 3, 8) 230, (64, 3, 4) 255 with spills;
-# yet (64, 3, 8) was the fastest on the H100 at 1 and 16 rows (0.107 / 0.111 ms against 0.110 / 0.116).
+# (BLOCK_N, num_stages, num_warps). sm90 at 1-16 rows, split 1 / the fold (scripts/delta_occupancy.py):
+# registers, shared KB, programs per SM: (32, 4, 8) 72-80, 53, 3; (64, 3, 8) 76-80 / 98, 70, 3 / 2;
+# (64, 2, 8) 72-80, 38, 3; (32, 3, 4) 80-85 / 96, 37, 5; (128, 2, 8) 75 / 128, 72, 3 / 2. With two launches
+# and split 2, (64, 3, 8) was the fastest on the H100 at 1 and 16 rows (0.107 / 0.111 ms against 0.110 / 0.116).
 _CONFIGS = [(32, 4, 8), (64, 3, 8), (64, 2, 8), (32, 3, 4), (128, 2, 8)]
 
 
@@ -43,13 +64,13 @@ def max_delta_rows() -> int:
 
 @triton.jit
 def _hstu_delta_kernel(
-    Q, K, V, O, P, SEQ_OFFSETS, NUM_TARGETS, ATTN_SCALE,
+    Q, K, V, O, P, CNT, SEQ_OFFSETS, NUM_TARGETS, ATTN_SCALE,
     stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od, stride_sm,
     alpha, scale_const,
-    H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, CTX, WINDOW, SPLIT, RQ,
+    H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, CTX, WINDOW, SPLIT, PLANE,
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SCALE_MODE: tl.constexpr, PARTIAL: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
+    SCALE_MODE: tl.constexpr, PARTIAL: tl.constexpr, FOLD: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
     EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -114,23 +135,48 @@ def _hstu_delta_kernel(
     offs_d = tl.arange(0, BLOCK_DV)
     ok = (offs_r < DELTA_ROWS)[:, None] & (offs_d < DV)[None, :]
     rows = (q_row0 + offs_r).to(tl.int64)[:, None]
-    if PARTIAL:  # contiguous [SPLIT, RQ, H, DV] fp32, RQ = B * DELTA_ROWS
-        p_ptr = P + ((s.to(tl.int64) * RQ + rows) * H + h) * DV + offs_d[None, :]
-        tl.store(p_ptr, acc, mask=ok)
+    o_ptr = O + rows * stride_om + h * stride_oh + offs_d[None, :] * stride_od
+    if PARTIAL:  # contiguous [SPLIT, B * DELTA_ROWS, H, DV] fp32, PLANE elements per split
+        p0 = P + (rows * H + h) * DV + offs_d[None, :]
+        tl.store(p0 + s.to(tl.int64) * PLANE, acc, mask=ok)
+        if FOLD:
+            # The last of the SPLIT programs of this row block to arrive sums the partials. Triton performs a
+            # scalar atomic on one thread and broadcasts its result through shared memory (PTX: a predicated
+            # atom.global.gpu.acq_rel.add; scripts/delta_occupancy.py --ptx). Release: the barrier orders all
+            # threads' partial stores before that thread's atomic, whose gpu-scope release makes them visible
+            # with it (cumulativity). Acquire: the increments are read-modify-writes, so they form one release
+            # sequence; the last program's atomic reads its end and synchronizes with every earlier release, and
+            # the barrier after it passes that on to all its threads, which then load the partials from L2 (.cg).
+            # CUTLASS's split-K semaphore relies on the same. Summed in the fixed order s = 0, 1, ... whichever
+            # program comes last: bitwise repeatable. (The interpreter runs programs one by one: only the GPU
+            # tests exercise this under concurrency.)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(CNT + rest, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                tl.debug_barrier()
+                tl.store(o_ptr, _sum_partials(p0, PLANE, ok, SPLIT).to(O.dtype.element_ty), mask=ok)
+                tl.store(CNT + rest, 0)  # zero again for the next launch (stream order makes it visible)
     else:
-        o_ptr = O + rows * stride_om + h * stride_oh + offs_d[None, :] * stride_od
         tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=ok)
 
 
 @triton.jit
+def _sum_partials(ptr, plane, mask, SPLIT):
+    """The fp32 partials at ``ptr + s * plane`` summed in the order s = 0, 1, ..., SPLIT - 1 (deterministic).
+    Loaded from L2 (.cg): other SMs wrote them."""
+    acc = tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
+    for _ in range(1, SPLIT):
+        ptr += plane
+        acc += tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
 def _split_sum_kernel(P, O, numel, SPLIT, BLOCK: tl.constexpr):
-    """O (contiguous) = sum over s of P[s] (fp32, summed in the order s = 0, 1, ...), in O's dtype."""
+    """The two-launch fold (``delta_forward(fold=False)``): O (contiguous) = the sum of the partials P[s]."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT):
-        acc += tl.load(P + s * numel + offs, mask=ok, other=0.0)
-    tl.store(O + offs, acc.to(O.dtype.element_ty), mask=ok)
+    tl.store(O + offs, _sum_partials(P + offs, numel, ok, SPLIT).to(O.dtype.element_ty), mask=ok)
 
 
 @functools.lru_cache(maxsize=16)
@@ -138,15 +184,50 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def choose_split(programs: int, key_tiles: int, sms: int) -> int:
-    """Key splits per row block: enough programs for ~4 per SM (the tail of the last wave then costs
-    little), each split keeping >= 4 key tiles so a program still pipelines its loads."""
-    want = -(-4 * sms // max(programs, 1))
-    return max(1, min(want, key_tiles // 4, 16))
+def _per_sm(block_m: int, dtype) -> int:
+    """Programs of the default config one SM holds at once, by row block, when split (sm90, Dq = Dv = 128,
+    ``scripts/delta_occupancy.py``): 16-bit (32, 3, 4) 96 / 96 / 166 registers, 37 / 42 / 64 KB shared at
+    16 / 32 / 64 rows; fp32 (32, 3, 8) 170-255 registers, 84-160 KB. Other head dims: an estimate."""
+    return 1 if dtype == torch.float32 else {16: 5, 32: 5}.get(block_m, 3)
+
+
+def choose_split(programs: int, key_tiles: int, slots: int) -> int:
+    """Key splits per row block: as many as the ``slots`` (programs the GPU holds at once) take in one wave,
+    so that a split never adds a wave, each split keeping >= 4 key tiles so a program still pipelines its
+    loads, at most 16. Enough row blocks for the slots: no split, and no partials to fold."""
+    return max(1, min(slots // max(programs, 1), key_tiles // 4, 16))
 
 
 def _block_m(rows: int) -> int:
     return max(16, A._pow2(rows))
+
+
+# (device, stream) -> int32 fold counters, zero between launches (the last program of a row block resets its
+# counter). Only plain eager launches use them: see _counters.
+_COUNTERS: dict = {}
+CACHE_COUNTERS = True  # False: a zeroed buffer per call, as traced launches get (tests, benchmarks)
+
+
+def _counters(n: int, device, *tensors) -> torch.Tensor:
+    """``n`` zero int32 fold counters. A plain eager launch (``launcher`` calls the kernel directly) reuses a
+    buffer per (device, stream), without a memset: launches on one stream run in order and each leaves its
+    counters zero; another stream has its own buffer, so concurrent launches never share counters. A fresh
+    zeroed buffer (one small memset) otherwise:
+    * traced (torch.compile, export, AOTI): a cached tensor cannot enter a fake-tensor trace, and as a graph
+      constant that the kernel mutates it would be shared by every graph and stream (and packaged by AOTI);
+      the fresh buffer is an ordinary graph buffer, which CUDA-graph trees may reuse for other tensors
+      between replays, so it could not be assumed zero either;
+    * captured into a CUDA graph: replays may run beside eager launches of the capturing stream, and the
+      cache may later replace (free) the buffer that the graph still addresses."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not CACHE_COUNTERS or capturing or not _compat.plain_eager(*tensors):
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        # a replaced buffer is freed in stream order, after the launches that used it
+        buf = _COUNTERS[key] = torch.zeros(A._pow2(n), dtype=torch.int32, device=device)
+    return buf
 
 
 def delta_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
@@ -163,10 +244,11 @@ def delta_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targ
 
 
 def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
-                  max_attn_len=0, contextual_seq_len=0, *, split=None, config=None) -> torch.Tensor:
+                  max_attn_len=0, contextual_seq_len=0, *, split=None, config=None, fold=True) -> torch.Tensor:
     """Cached attention (:func:`hstu_inductor.kernels.attention.delta_hstu_attention_fwd`'s contract) for
     ``D <= max_delta_rows()`` rows per sequence. ``split`` / ``config`` ((BLOCK_N, stages, warps)) override
-    the automatic choices (tests, benchmarks)."""
+    the automatic choices (tests, benchmarks); ``fold=False`` sums the partials in a second launch (the
+    previous design, kept for side-by-side benchmarks)."""
     A._check_inputs(delta_q, k, v, seq_offsets, num_targets)
     seq_offsets = address_source(seq_offsets)
     B = seq_offsets.shape[0] - 1
@@ -186,30 +268,35 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
             config = _CONFIGS[int(pick)]
         elif delta_q.dtype == torch.float32:  # fp32 tiles are twice as wide
             config = (32, 3, 8)
-        else:  # measured on the H100 (benchmarks/RESULTS.md, session 9): (64, 3, 8) at 1 and 16 rows
-            config = _CONFIGS[1]
+        else:  # the most programs per SM (_per_sm): one wave without a split at B * H = 512
+            config = _CONFIGS[3]
     block_n, stages, warps = config
     block_m = _block_m(D)
     n_blocks = -(-D // block_m)
     programs = B * H * n_blocks
     if split is None:
         sms = 132 if delta_q.device.type != "cuda" else _num_sms(delta_q.device.index or 0)
-        split = choose_split(_compat.size_hint(programs), -(-_compat.size_hint(max_seq_len) // block_n), sms)
+        split = choose_split(_compat.size_hint(programs), -(-_compat.size_hint(max_seq_len) // block_n),
+                             sms * _per_sm(block_m, delta_q.dtype))
     partial = split > 1
-    part = torch.empty((split, rq, H, Dv), device=delta_q.device, dtype=torch.float32) if partial else None
-    args = (delta_q, k, v, out, part, seq_offsets, num_targets, scale_t,
-            *delta_q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_s,
-            float(alpha), float(scale_const), H, Dq, Dv, k.shape[0], max_seq_len, D, int(contextual_seq_len),
-            int(max_attn_len), split, rq)
-    kwargs = dict(flags, SCALE_MODE=scale_mode, PARTIAL=partial, FAST=A._fast_silu(delta_q.dtype, delta_q.device),
-                  PREC=A._prec(delta_q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv, BLOCK_DQ=bdq, BLOCK_DV=bdv,
-                  BLOCK_M=block_m, BLOCK_N=block_n)
+    fold = fold and partial
+    # every split writes its whole partial (an empty key range writes zeros), so new_tensor's test poison
+    # shows a missing write
+    part = new_tensor((split, rq, H, Dv), torch.float32, delta_q.device) if partial else None
+    plane = rq * H * Dv
     with A._device_ctx(delta_q.device):
+        cnt = _counters(programs, delta_q.device, delta_q, k, v) if fold else None
+        args = (delta_q, k, v, out, part, cnt, seq_offsets, num_targets, scale_t,
+                *delta_q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_s,
+                float(alpha), float(scale_const), H, Dq, Dv, k.shape[0], max_seq_len, D, int(contextual_seq_len),
+                int(max_attn_len), split, plane)
+        kwargs = dict(flags, SCALE_MODE=scale_mode, PARTIAL=partial, FOLD=fold,
+                      FAST=A._fast_silu(delta_q.dtype, delta_q.device), PREC=A._prec(delta_q.dtype), EVEN_DQ=bdq == Dq,
+                      EVEN_DV=bdv == Dv, BLOCK_DQ=bdq, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n)
         launcher(_hstu_delta_kernel, args)[(programs * split,)](*args, **kwargs, num_warps=warps,
                                                                  num_stages=stages)
-        if partial:
-            numel = rq * H * Dv
+        if partial and not fold:
             block = 1024 if interpret() else 2048
-            sargs = (part, out, numel, split)
-            launcher(_split_sum_kernel, sargs)[(triton.cdiv(numel, block),)](*sargs, BLOCK=block)
+            sargs = (part, out, plane, split)
+            launcher(_split_sum_kernel, sargs)[(triton.cdiv(plane, block),)](*sargs, BLOCK=block)
     return out

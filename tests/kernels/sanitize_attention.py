@@ -4,9 +4,10 @@
         python3 tests/kernels/sanitize_attention.py [--garbage]
 
 Default: valid inputs with every mask feature, TMA and pointer variants, atomic and deterministic
-backward. ``--garbage``: the same kernels on invalid jagged metadata (decreasing / negative / past-L
-offsets, lengths past max_seq_len, targets outside [0, n], max_seq_len 1 and larger than any length):
-the results are unspecified, but memcheck must report no error. Without the caching allocator
+backward, cached attention (the full forward's rows and kernels/delta.py, folded and two-launch).
+``--garbage``: the same kernels on invalid jagged metadata (decreasing / negative / past-L offsets,
+lengths past max_seq_len, targets outside [0, n], max_seq_len 1 and larger than any length): the
+results are unspecified, but memcheck must report no error. Without the caching allocator
 (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``) every tensor is its own allocation, so an access past a
 tensor is an access past an allocation and memcheck sees it.
 """
@@ -17,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from hstu_inductor.kernels import attention as K  # noqa: E402
+from hstu_inductor.kernels import delta as Kd  # noqa: E402
 
 
 def _qkv(L, H, D):
@@ -35,6 +37,16 @@ def _run(q, k, v, off, N, tag, **kw):
               f"dk {dk.float().norm():.4f} dv {dv.float().norm():.4f}", flush=True)
 
 
+def _delta(dq_rows, k, v, off, N, **kw):
+    """Cached attention: the full forward's row blocks (pointer and TMA) and kernels/delta.py's key-range split
+    (automatic, split 3 folded in one launch and summed by a second)."""
+    for tma in (True, False):
+        K.delta_hstu_attention_fwd(dq_rows, k, v, off, N, 0.1, tma=tma, **kw)
+    for split, fold in ((None, True), (3, True), (3, False)):
+        Kd.delta_forward(dq_rows, k, v, off, N, 0.1, split=split, fold=fold, **kw)
+    torch.cuda.synchronize()
+
+
 def valid():
     lengths = [200, 1, 0, 256, 77]
     off = torch.zeros(len(lengths) + 1, dtype=torch.int64)
@@ -43,6 +55,11 @@ def valid():
     nt = torch.tensor([3, 0, 0, 10, 5], device="cuda")
     _run(q, k, v, off.cuda(), 256, "valid", num_targets=nt, max_attn_len=40, contextual_seq_len=3,
          min_full_attn_seq_len=20)
+    lengths[1:3] = [1, 1]  # cached attention needs D <= every length
+    off[1:] = torch.tensor(lengths).cumsum(0)
+    q, k, v = _qkv(sum(lengths), 2, 64)
+    _delta(q[:len(lengths)].contiguous(), k, v, off.cuda(), 256, num_targets=nt, max_attn_len=40,
+           contextual_seq_len=3)
 
 
 def garbage():
@@ -69,9 +86,7 @@ def garbage():
             _run(q, k, v, off.to(torch.int32), N, name + "/int32", **kw)
         B = off.numel() - 1
         dq_rows = torch.randn(B * 3, 2, 64, device="cuda", dtype=torch.bfloat16)
-        for tma in (True, False):
-            K.delta_hstu_attention_fwd(dq_rows, k, v, off, N, 0.1, tma=tma, num_targets=kw.get("num_targets"))
-        torch.cuda.synchronize()
+        _delta(dq_rows, k, v, off, N, num_targets=kw.get("num_targets"))
 
 
 def main():

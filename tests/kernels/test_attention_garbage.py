@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hstu_inductor.kernels import attention as K
+from hstu_inductor.kernels import delta as Kd
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PAD = 64  # guard rows on each side; every garbage offset below stays within PAD of [0, L]
@@ -64,6 +65,7 @@ def _inputs(g: Guarded, seed=0):
 def guarded(monkeypatch):
     g = Guarded()
     monkeypatch.setattr(K, "_new", g.new)
+    monkeypatch.setattr(Kd, "new_tensor", g.new)  # kernels/delta.py's output and split partials
     return g
 
 
@@ -85,8 +87,11 @@ def test_garbage_metadata_stays_in_bounds(name, tma, guarded):
     out = K.hstu_attention_fwd(q, k, v, off, N, 0.3, attn_scale=scale, tma=tma, **kw)
     grads = K.hstu_attention_bwd(dout, q, k, v, off, N, 0.3, attn_scale=scale, tma=tma, deterministic=True, **kw)
     grads_atomic = K.hstu_attention_bwd(dout, q, k, v, off, N, 0.3, tma=tma, **kw)
-    delta = K.delta_hstu_attention_fwd(q[:4], k, v, off[:3] if len(offsets) > 3 else off, N, 0.3, tma=tma)
-    _finite(out, *grads, *grads_atomic, delta)
+    off_d = off[:3] if len(offsets) > 3 else off
+    delta = [K.delta_hstu_attention_fwd(q[:4], k, v, off_d, N, 0.3, tma=tma)]
+    if not tma:  # kernels/delta.py: split 3, folded in one launch and summed by a second
+        delta += [Kd.delta_forward(q[:4], k, v, off_d, N, 0.3, split=3, fold=fold) for fold in (True, False)]
+    _finite(out, *grads, *grads_atomic, *delta)
     guarded.assert_padding_untouched()
 
 

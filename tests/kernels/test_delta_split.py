@@ -1,13 +1,18 @@
 """Cached attention with the key range split across programs (kernels/delta.py) against fp64.
 
 The partial outputs of the splits add exactly (HSTU has no softmax), so every split count must give
-the reference's answer, for every mask option of cached attention; the split count and the sum
-kernel are checked on the interpreter, the real sizes on the GPU.
+the reference's answer, for every mask option of cached attention. The last program of a row block
+folds the partials in a fixed order: the output is bitwise repeatable and bitwise equal to the
+two-launch sum, and the cached counters are left zero. The interpreter runs programs one by one, so
+the GPU tests check the fold under concurrency (streams, CUDA graphs, torch.compile).
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hstu_inductor.kernels import attention as K
 from hstu_inductor.kernels import common, delta
@@ -33,38 +38,76 @@ def _batch(lengths, H, Dq, Dv, D, dtype, seed):
     return (t.to(DEV, dtype) for t in (dq, k, v)), off.to(DEV)
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="interpreter-sized cases; the gpu-marked test covers CUDA")
-@pytest.mark.parametrize("split", [1, 2, 3, 7])
-def test_split_equals_reference(split, monkeypatch):
+def _cases(B, D, g):
+    """Every mask option of cached attention, and the three scale modes."""
+    return [
+        {},
+        dict(num_targets=torch.tensor([2, 1, 0, 0, 3]), contextual_seq_len=3, max_attn_len=5,
+             attn_scale=torch.rand(B * D, generator=g) + 0.5),
+        dict(num_targets=torch.tensor([2, 1, 0, 0, 3]), contextual_seq_len=3),
+        dict(max_attn_len=6, num_targets=torch.tensor([1, 4, 2, 0, 0])),
+        dict(max_attn_len=4, contextual_seq_len=2),
+        dict(attn_scale=torch.tensor([0.25])),
+    ]
+
+
+def _reference(N, alpha, dq, k, v, off, kw):
+    kw64 = {a: (b.double() if a == "attn_scale" else b) for a, b in kw.items()}
+    return delta_hstu_mha(N, alpha, dq.double(), k.double(), v.double(), off, **kw64)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter-sized cases; the gpu-marked tests cover CUDA")
+@pytest.mark.parametrize("split", range(1, 9))
+def test_fold_equals_reference(split, monkeypatch):
+    """Splits 1..8 over 1-5 key tiles of 16 (empty splits, uneven shares), fresh inputs, poisoned outputs
+    and partials: the one-launch fold against fp64, bitwise repeatable, equal to the two-launch sum and to
+    a fresh counter buffer, counters left zero."""
     monkeypatch.setattr(common, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(delta, "_COUNTERS", {})
     lengths = [70, 9, 33, 3, 64]
     N, H, Dq, Dv, D = 72, 2, 32, 16, 3
     B = len(lengths)
     (dq, k, v), off = _batch(lengths, H, Dq, Dv, D, torch.float32, seed=split)
-    g = torch.Generator().manual_seed(100 + split)
-    cases = [
-        {},
-        dict(num_targets=torch.tensor([2, 1, 0, 0, 3], device=DEV), contextual_seq_len=3),
-        dict(max_attn_len=6, num_targets=torch.tensor([1, 4, 2, 0, 0], device=DEV)),
-        dict(attn_scale=(torch.rand(B * D, generator=g) + 0.5).to(DEV)),
-        dict(attn_scale=torch.tensor([0.25], device=DEV)),
-    ]
-    for kw in cases:
-        out = delta.delta_forward(dq, k, v, off, N, 0.3, split=split, config=(16, 2, 4), **kw)
-        kw64 = {a: (b.double() if a == "attn_scale" else b) for a, b in kw.items()}
-        ref = delta_hstu_mha(N, 0.3, dq.double(), k.double(), v.double(), off, **kw64)
+    cases = _cases(B, D, torch.Generator().manual_seed(100 + split))
+    for i, kw in enumerate(cases[:2] + [cases[2 + split % 4]]):  # plain, all options, one rotated
+        run = functools.partial(delta.delta_forward, dq, k, v, off, N, 0.3, split=split, config=(16, 2, 4), **kw)
+        out = run()
         assert out.shape == (B * D, H, Dv)
-        assert rel_err(out, ref) < 2e-4, (split, kw)
+        assert rel_err(out, _reference(N, 0.3, dq, k, v, off, kw)) < 2e-4, (split, kw)
+        assert torch.equal(run(), out), (split, kw)
+        if i == 0:
+            assert torch.equal(run(fold=False), out)
+            monkeypatch.setattr(delta, "CACHE_COUNTERS", False)
+            assert torch.equal(run(), out)
+            monkeypatch.setattr(delta, "CACHE_COUNTERS", True)
+    counters = list(delta._COUNTERS.values())
+    assert len(counters) == (split > 1) and all(not c.any() for c in counters)
+
+
+def test_counters_cached_and_fresh_when_traced(monkeypatch):
+    monkeypatch.setattr(delta, "_COUNTERS", {})
+    cpu = torch.device("cpu")
+    x = torch.empty(1)
+    a = delta._counters(5, cpu, x)
+    assert a.shape == (8,) and not a.any() and delta._counters(8, cpu, x) is a
+    b = delta._counters(9, cpu, x)  # grown: a new zeroed buffer replaces the old one
+    assert b.shape == (16,) and list(delta._COUNTERS.values()) == [b]
+    with FakeTensorMode() as mode:  # traced (as under torch.compile): a fresh buffer, the cache untouched
+        c = delta._counters(5, cpu, mode.from_tensor(x))
+    assert isinstance(c, FakeTensor) and c.shape == (5,) and list(delta._COUNTERS.values()) == [b]
+    monkeypatch.setattr(delta, "CACHE_COUNTERS", False)
+    assert delta._counters(5, cpu, x) is not b
 
 
 def test_choose_split():
-    # few programs: split up to ~4 per SM, but keep >= 4 key tiles per split, and at most 16
-    assert delta.choose_split(512, 64, 132) == 2
-    assert delta.choose_split(64, 64, 132) == 9
-    assert delta.choose_split(64, 8, 132) == 2
-    assert delta.choose_split(8, 4096, 132) == 16
-    assert delta.choose_split(4096, 64, 132) == 1
-    assert delta.choose_split(512, 3, 132) == 1
+    # as many splits as one wave of slots holds, >= 4 key tiles per split, at most 16
+    assert delta.choose_split(512, 32, 660) == 1  # B * H = 512 row blocks fill 132 SMs x 5
+    assert delta.choose_split(128, 32, 660) == 5
+    assert delta.choose_split(64, 64, 660) == 10
+    assert delta.choose_split(64, 8, 660) == 2
+    assert delta.choose_split(8, 4096, 660) == 16
+    assert delta.choose_split(4096, 64, 660) == 1
+    assert delta.choose_split(32, 3, 660) == 1
 
 
 @pytest.mark.gpu
@@ -83,6 +126,107 @@ def test_gpu_split_equals_full_forward(D, dtype):
         for split in (None, 1, 3):
             out = delta.delta_forward(dq, k, v, off, N, 1 / Dm, split=split, **kw)
             assert rel_err(out, ref) < (2e-2 if dtype == torch.bfloat16 else 2e-4), (split, kw)
+        assert torch.equal(out, delta.delta_forward(dq, k, v, off, N, 1 / Dm, split=3, fold=False, **kw))
         full = K._fwd(dq, k, v, off, N, 1 / Dm, kw.get("num_targets"), None, kw.get("max_attn_len", 0),
                       kw.get("contextual_seq_len", 0), 0, True, D, None)
         assert rel_err(full, ref) < (2e-2 if dtype == torch.bfloat16 else 2e-4)
+
+
+def _gpu_batches(B, N, H, Dm, D, count=2, seed=0):
+    """``count`` batches of the same lengths in [D, N] (one of D: fewer key tiles than splits), different
+    values, bf16 on the GPU: ``[((delta_q, k, v), offsets)]``."""
+    lengths = torch.randint(D, N + 1, (B,), generator=torch.Generator().manual_seed(seed)).tolist()
+    lengths[0] = D
+    return [(tuple(t), off) for t, off in (_batch(lengths, H, Dm, Dm, D, torch.bfloat16, seed + i)
+                                           for i in range(count))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("split", [2, 5, 16])
+def test_gpu_fold_concurrent_bitwise(split, monkeypatch):
+    """Up to 16 programs per row block finishing together: the fold reads every partial (poisoned with NaN
+    before each call; the inputs alternate, so a stale partial would differ) and equals the two-launch sum
+    bitwise, every time; the cached counters are zero afterwards."""
+    monkeypatch.setattr(common, "POISON_OUTPUTS", True)
+    batches = _gpu_batches(64, 512, 4, 128, 4)
+    want = [delta.delta_forward(*t, off, 512, 1 / 128, split=split, fold=False) for t, off in batches]
+    for it in range(40):
+        t, off = batches[it % 2]
+        assert torch.equal(delta.delta_forward(*t, off, 512, 1 / 128, split=split), want[it % 2]), it
+    torch.cuda.synchronize()
+    assert delta._COUNTERS and not any(c.any() for c in delta._COUNTERS.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_fold_two_streams():
+    """Two streams folding at once use two counter buffers; both stay bitwise right."""
+    batches = _gpu_batches(16, 1024, 4, 128, 2, seed=7)
+    want = [delta.delta_forward(*t, off, 1024, 1 / 128, split=8, fold=False) for t, off in batches]
+    streams = [torch.cuda.Stream() for _ in batches]
+    outs = [[] for _ in batches]
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
+    for _ in range(10):
+        for st, (t, off), o in zip(streams, batches, outs):
+            with torch.cuda.stream(st):
+                o.append(delta.delta_forward(*t, off, 1024, 1 / 128, split=8))
+    for st in streams:
+        torch.cuda.current_stream().wait_stream(st)
+    torch.cuda.synchronize()
+    assert all(torch.equal(x, w) for o, w in zip(outs, want) for x in o)
+    keys = {key for key in delta._COUNTERS if key[1] in {st.cuda_stream for st in streams}}
+    assert len(keys) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_fold_cuda_graph():
+    """A captured launch gets its own zeroed counters (not the cache): replays, with eager launches in
+    between, stay bitwise equal to eager."""
+    batches = _gpu_batches(16, 1024, 4, 128, 2, seed=11)
+    off = batches[0][1]
+    want = [delta.delta_forward(*t, off, 1024, 1 / 128, split=8) for t, _ in batches]
+    static = [x.clone() for x in batches[0][0]]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs recommends
+        delta.delta_forward(*static, off, 1024, 1 / 128, split=8)
+    torch.cuda.current_stream().wait_stream(side)
+    cached = dict(delta._COUNTERS)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = delta.delta_forward(*static, off, 1024, 1 / 128, split=8)
+    assert delta._COUNTERS == cached  # nothing cached for the capture stream
+    for it in range(6):
+        for a, b in zip(static, batches[it % 2][0]):
+            a.copy_(b)
+        graph.replay()
+        eager = delta.delta_forward(*batches[it % 2][0], off, 1024, 1 / 128, split=8)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want[it % 2]) and torch.equal(eager, want[it % 2]), it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_fold_compiled(mode):
+    """``hstu::delta_attention`` under torch.compile (the kernel traced through wrap_triton, counters a graph
+    buffer) and CUDA graphs: bitwise equal to eager, every call; no CUDA-graph skip."""
+    from torch._dynamo.utils import counters
+
+    import hstu_inductor.ops  # noqa: F401  (registers torch.ops.hstu)
+
+    torch._dynamo.reset()
+    counters.clear()
+    batches = _gpu_batches(4, 1024, 2, 128, 2, seed=3)  # 8 row blocks: split 8, the fold
+    op = torch.ops.hstu.delta_attention
+    fn = torch.compile(lambda *a: op(*a, 1024, 1 / 128), mode=mode, fullgraph=True)
+    for it in range(4):
+        t, off = batches[it % 2]
+        torch.compiler.cudagraph_mark_step_begin()
+        out = fn(*t, off)
+        assert torch.equal(out, op(*t, off, 1024, 1 / 128)), it
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    torch._dynamo.reset()
