@@ -45,6 +45,9 @@ import triton
 import triton.language as tl
 
 from . import attention as A
+# jit helpers by name: Inductor re-emits a user kernel's source with the functions it names, not module aliases
+# ("NameError: A is not defined" when a compiled graph launched this kernel on the H100)
+from .attention import _bias_operands, _fwd_inner, _fwd_key_range, _id_end, _ids, _load_rows, _seq_bounds
 from .. import _compat
 from .common import address_source, interpret, launcher, new_tensor
 
@@ -84,25 +87,25 @@ def _hstu_delta_kernel(
     bh = rest // n_blocks
     b = bh // H
     h = bh % H
-    start, n = A._seq_bounds(SEQ_OFFSETS, b, ROWS, MAX_N)
+    start, n = _seq_bounds(SEQ_OFFSETS, b, ROWS, MAX_N)
     pos0 = n - DELTA_ROWS
     q_row0 = b.to(tl.int64) * DELTA_ROWS
     r0 = m_blk * BLOCK_M
-    M = A._id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
+    M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
     offs_r = r0 + tl.arange(0, BLOCK_M)
     pos_m = pos0 + offs_r
-    pi_m = A._ids(pos_m, CTX, M, HAS_CTX, HAS_TGT)
+    pi_m = _ids(pos_m, CTX, M, HAS_CTX, HAS_TGT)
 
     q_base = Q + q_row0 * stride_qm + h * stride_qh
-    q = A._load_rows(q_base, r0, DELTA_ROWS, DQ, stride_qm, stride_qd, True, EVEN_DQ, False, BLOCK_M, BLOCK_DQ)
+    q = _load_rows(q_base, r0, DELTA_ROWS, DQ, stride_qm, stride_qd, True, EVEN_DQ, False, BLOCK_M, BLOCK_DQ)
     q = tl.where((pos_m >= 0)[:, None], q, tl.zeros_like(q))  # rows before a short sequence's start
     K_src = K + start * stride_km + h * stride_kh
     V_src = V + start * stride_vm + h * stride_vh
-    RB = A._bias_operands(None, None, None, None, 0, MAX_N, b, h, start, 0, 0, 0, 0, None, None, False, False, False)
+    RB = _bias_operands(None, None, None, None, 0, MAX_N, b, h, start, 0, 0, 0, 0, None, None, False, False, False)
 
     m_first = tl.maximum(pos0 + r0, 0)
     m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
-    a, fs, fe, e = A._fwd_key_range(m_first, m_last, n, M, CTX, WINDOW, 0, BLOCK_N, CAUSAL, HAS_CTX, HAS_TGT,
+    a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, CTX, WINDOW, 0, BLOCK_N, CAUSAL, HAS_CTX, HAS_TGT,
                                     HAS_WINDOW, False)
     # this program's share of the visible key tiles [a, e): whole tiles, the first splits one tile longer
     tiles = (e - a) // BLOCK_N
@@ -112,15 +115,15 @@ def _hstu_delta_kernel(
     hi = lo + (per + (s < extra).to(tl.int32)) * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # the full forward's three segments (masked, full, masked), each cut to [lo, hi)
-    acc = A._fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
+    acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                        tl.maximum(a, lo), tl.minimum(fs, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
                        pos_m, pos_m, pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, False, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
-    acc = A._fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
+    acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                        tl.maximum(fs, lo), tl.minimum(fe, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
                        pos_m, pos_m, pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, False, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
-    acc = A._fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
+    acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                        tl.maximum(fe, lo), tl.minimum(e, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
                        pos_m, pos_m, pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, False, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
