@@ -2,8 +2,6 @@
 eager-equal in training and inference, dynamic L with at most one recompile; probe unit test."""
 from __future__ import annotations
 
-import operator
-
 import torch
 from expecttest import TestCase
 
@@ -12,7 +10,7 @@ from hstu_inductor.patterns import blocks
 from hstu_inductor.reference import HSTUModel, STULayer
 from hstu_inductor.report import RewriteReport, collecting
 from test_blocks_common import check_compiled, rewritten
-from _helpers import REWRITE_BACKEND
+from _helpers import REWRITE_BACKEND, forward_copies_pass
 
 E, H, DQ, DV, N = 16, 2, 4, 8, 8
 
@@ -89,56 +87,28 @@ class TestReferenceModel(TestCase):
         self.assertEqual(rep.counts["output"], rep.graphs)
 
 
-_COPIES = (torch.ops.aten.clone.default, torch.ops.aten.copy.default, torch.ops.aten.copy_.default,
-           torch.ops.aten._to_copy.default)
-
-
-def _copies_of(graph, width):
-    """Copy nodes reached from a ``[L, width]`` projection (mm/addmm) through views only."""
-    todo = [n for n in graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-            and n.meta["val"].shape[-1] == width]
-    assert todo, "no projection of that width"
-    copies = []
-    while todo:
-        for user in todo.pop().users:
-            t = user.target
-            if t in _COPIES:
-                copies.append(user)
-            elif t is operator.getitem or t is torch.ops.aten.reshape.default or getattr(t, "is_view", False):
-                todo.append(user)
-    return copies
-
-
 class TestNoCopiesBeforeAttention(TestCase):
     """v, q, k reach the attention as views of the projection: Inductor's forward graph (post-grad, where
     the ops' bodies are inlined) copies none of them. They used to be the op's contiguous clones, one
     copy kernel each (issue 22 item 6)."""
 
     def test_stu_layer(self):
-        from torch._inductor.custom_graph_pass import CustomGraphPass
-
-        found = []
-
-        class Inspect(CustomGraphPass):
-            def __call__(self, graph):
-                if not any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder")):
-                    found.append(_copies_of(graph, 2 * H * (DQ + DV)))  # the forward graph
-
-            def uuid(self):
-                return None
-
         for mode in ("save", "recompute"):
             with self.subTest(mode=mode), hstu_inductor.config.patch(block_backward=mode):
-                found.clear()
+                found = []
                 m = _layer()
                 x, off = _batch([3, 5], seed=4)
                 x.requires_grad_()
                 torch._dynamo.reset()
-                compiled = torch.compile(m, backend="hstu", options={"post_grad_custom_post_pass": Inspect()})
+                inspect = forward_copies_pass(2 * H * (DQ + DV), found)
+                compiled = torch.compile(m, backend="hstu", options={"post_grad_custom_post_pass": inspect})
                 with collecting() as rep:
                     out = compiled(x, off, N)
                 self.assertEqual((rep.counts["preprocess"], rep.counts["attention"]), (1, 1), str(rep))
-                self.assertEqual(found, [[]])
+                self.assertEqual(len(found), 1)
+                copies, views = found[0]
+                self.assertEqual(copies, [])
+                self.assertTrue(any(v.target is torch.ops.aten.slice.Tensor for v in views), views)
                 (gx,) = torch.autograd.grad(out.sum(), x)
                 x2 = x.detach().clone().requires_grad_()
                 want = m(x2, off, N)

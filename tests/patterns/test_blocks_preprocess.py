@@ -1,6 +1,8 @@
 """preprocess: LayerNorm -> projection -> split into u, v, q, k -> silu(u)  =>  hstu.stu_preprocess."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from expecttest import TestCase
@@ -24,14 +26,15 @@ def _rand(*shape):
 class RefPreprocess(nn.Module):
     """The reference spelling: F.layer_norm(x.float()).to(dtype) -> addmm -> split -> silu(u)."""
 
-    def __init__(self, H=2, Dq=3, Dv=4):
+    def __init__(self, H=2, Dq=3, Dv=4, silu_all=False):
         super().__init__()
-        self.H, self.Dq, self.Dv = H, Dq, Dv
+        self.H, self.Dq, self.Dv, self.silu_all = H, Dq, Dv, silu_all
         self.ln_w, self.ln_b = _rand(E), _rand(E)
         self.w, self.b = _rand(E, 2 * H * (Dq + Dv)), _rand(2 * H * (Dq + Dv))
 
     def forward(self, x):
-        u, v, q, k = reference.stu_preprocess(x, self.ln_w, self.ln_b, self.w, self.b, self.H, self.Dq, self.Dv)
+        u, v, q, k = reference.stu_preprocess(x, self.ln_w, self.ln_b, self.w, self.b, self.H, self.Dq, self.Dv,
+                                              silu_all=self.silu_all)
         return u * 2, v, q + 1, k
 
 
@@ -267,6 +270,17 @@ class TestPreprocessBackwardModes(TestCase):
                 self.assertIn(f", {silu_all})", g)
                 check_compiled(m, _x(seed=2), train=True, counts={"preprocess": 1})
                 check_compiled(m, _x(seed=3), train=False, counts={"preprocess": 1})
+
+    def test_fp64_against_the_reference(self):
+        """The rewritten block (u, v, q, k as views of the op's outputs) equals the eager reference in
+        fp64 on fresh random inputs and parameters: outputs and the gradients of x, the LayerNorm
+        weight and bias, W and b, for silu on u or on all four, in both backward modes."""
+        for i, (mode, silu_all) in enumerate(itertools.product(("save", "recompute"), (False, True))):
+            with self.subTest(mode=mode, silu_all=silu_all), hstu_inductor.config.patch(block_backward=mode):
+                torch.manual_seed(100 + i)
+                m = RefPreprocess(silu_all=silu_all).double()
+                check_compiled(m, _x(seed=200 + i, dtype=torch.float64), train=True, rtol=1e-10, grad_rtol=1e-10,
+                               counts={"preprocess": 1})
 
     def test_bad_mode_rejected(self):
         with self.assertRaisesRegex(ValueError, "block_backward"):
