@@ -174,17 +174,26 @@ def _call(graph: Graph, target, args, kwargs=None) -> Node:
     return node
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dim() == b.dim() and all(_eq(x, y) for x, y in zip(a.stride(), b.stride()))
+            and _eq(a.storage_offset(), b.storage_offset()))
+
+
 def _strides_free(node: Node, val) -> bool:
-    """Whether ``node``'s users compute the same when ``node`` holds ``val``: its values with possibly
+    """Whether ``node``'s users compute the same when ``node`` holds ``val``: its values, maybe with
     other strides. Only view ops can tell, by failing (``view`` of incompatible strides) or by reading
-    strides (``as_strided``); they are re-run on fake values and their own users checked likewise."""
+    strides (``as_strided``): they are re-run on fake values and their own users checked likewise; a
+    graph output would show the caller other strides than eager's."""
+    old = _tval(node)
+    if old is not None and _same_layout(old, val):
+        return True
     for user in node.users:
         t = user.target
+        if user.op == "output" or t is aten.as_strided.default:
+            return False
         if t is operator.getitem:  # a piece of a multi-output view (split)
             out = val[user.args[1]]
-        elif isinstance(t, torch._ops.OpOverload) and (t.is_view or t is aten._unsafe_view.default):
-            if t is aten.as_strided.default:
-                return False
+        elif getattr(t, "is_view", False) or t is aten._unsafe_view.default:
             try:
                 out = _fake_call(t, [val if a is node else a for a in user.args], user.kwargs)
             except Exception:  # e.g. view: "view size is not compatible with input tensor's size and stride"
@@ -809,12 +818,13 @@ def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport, s
         target = torch.ops.hstu.stu_preprocess_save.default if config.block_backward == "save" \
             else torch.ops.hstu.stu_preprocess.default
         op = _call(graph, target, [norm.src, norm.weight, norm.bias, norm.eps, w, proj.bias, hv, hq, silu_all])
-        act, uvqk = _getitem(graph, op, 0), _getitem(graph, op, 1)
+        op_act, op_uvqk = _getitem(graph, op, 0), _getitem(graph, op, 1)
         # u, v, q, k as column views of the op's (act, uvqk), as preprocess_views takes them: separate op
         # outputs would be copies (custom-op outputs may not alias), views in the graph cost nothing
+        packed = op_act if silu_all else op_uvqk
         ends = list(itertools.accumulate(split.sizes, initial=0))
-        new = [act if i == 0 and not silu_all else
-               _call(graph, aten.slice.Tensor, [act if silu_all else uvqk, 1, ends[i], ends[i + 1]]) for i in range(4)]
+        new = [op_act if i == 0 and not silu_all else _call(graph, aten.slice.Tensor, [packed, 1, ends[i], ends[i + 1]])
+               for i in range(4)]
     for i, nodes in enumerate(split.pieces):
         fused_act = silu_all_pre is None and (i == 0 or silu_all)
         if not fused_act:  # already activated (silu before the split) or left to the user's code

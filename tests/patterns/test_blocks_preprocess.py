@@ -10,6 +10,7 @@ from torch import nn
 
 import hstu_inductor  # noqa: F401  (registers the backend and ops)
 from hstu_inductor import reference
+from _helpers import REWRITE_BACKEND
 from test_blocks_common import assert_near_miss, check_compiled, rewritten, summary
 
 E, HV, HQ, L = 16, 8, 6, 7
@@ -98,9 +99,11 @@ class SiluEachChunkAfterView(nn.Module):
         return u, F.silu(v), F.silu(q), F.silu(k)
 
 
-class SiluEachChunkFlattened(nn.Module):
-    """silu on every chunk, silu(q) flattened by ``view(-1)``: valid on the contiguous silu(q) of the
-    user's code, not on a column view of the op's packed output, so that piece alone is copied."""
+class SiluEachChunkStrides(nn.Module):
+    """silu on every chunk: the rewrite gives column views of the op's packed output where the user's
+    code had contiguous silu results. Pointwise users take the views as they are (u, k); a view that
+    needs contiguity (q's ``view(-1)``) or a graph output (v: the caller sees its strides) gets a
+    contiguous copy of that piece."""
 
     def __init__(self):
         super().__init__()
@@ -109,7 +112,7 @@ class SiluEachChunkFlattened(nn.Module):
 
     def forward(self, x):
         u, v, q, k = torch.split(self.proj(self.ln(x)), [HV, HV, HQ, HQ], dim=-1)
-        return F.silu(u), F.silu(v).view(-1, 2, HV // 2), F.silu(q).view(-1) * 3, F.silu(k)
+        return F.silu(u) + 1, F.silu(v).view(-1, 2, HV // 2), F.silu(q).view(-1) * 3, F.silu(k) * 2
 
 
 class NormReused(nn.Module):
@@ -204,28 +207,38 @@ stu_preprocess_save_default = hstu.stu_preprocess_save(arg0_1, None, None, 1e-05
 getitem_7 = getitem(stu_preprocess_save_default, 0)
 slice_tensor = slice.Tensor(getitem_7, 1, 0, 8)
 slice_tensor_1 = slice.Tensor(getitem_7, 1, 8, 16)
+clone_default_1 = clone(slice_tensor_1, memory_format=torch.contiguous_format)
 slice_tensor_2 = slice.Tensor(getitem_7, 1, 16, 22)
+clone_default_2 = clone(slice_tensor_2, memory_format=torch.contiguous_format)
 slice_tensor_3 = slice.Tensor(getitem_7, 1, 22, 28)
-view_1 = view(slice_tensor, [-1, 2, 4])""")
+clone_default_3 = clone(slice_tensor_3, memory_format=torch.contiguous_format)
+view_1 = view(slice_tensor, [-1, 2, 4])
+clone_default = clone(view_1, memory_format=torch.contiguous_format)""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
 
-    def test_silu_each_chunk_flattened(self):
-        m = SiluEachChunkFlattened()
+    def test_silu_each_chunk_strides(self):
+        m = SiluEachChunkStrides()
         self.assertExpectedInline(self._graph(m, _x(), spelling="layer_norm -> linear+bias -> split -> silu(all)"),
                                   """\
 stu_preprocess_save_default = hstu.stu_preprocess_save(arg2_1, arg0_1, arg1_1, 1e-05, arg3_1, arg4_1, 8, 6, True)
 getitem_7 = getitem(stu_preprocess_save_default, 0)
 slice_tensor = slice.Tensor(getitem_7, 1, 0, 8)
 slice_tensor_1 = slice.Tensor(getitem_7, 1, 8, 16)
+clone_default = clone(slice_tensor_1, memory_format=torch.contiguous_format)
 slice_tensor_2 = slice.Tensor(getitem_7, 1, 16, 22)
-clone_default = clone(slice_tensor_2, memory_format=torch.contiguous_format)
+clone_default_1 = clone(slice_tensor_2, memory_format=torch.contiguous_format)
 slice_tensor_3 = slice.Tensor(getitem_7, 1, 22, 28)
-view = view(slice_tensor_1, [-1, 2, 4])
-view_1 = view(clone_default, [-1])
-mul = mul.Tensor(view_1, 3)""")
+add = add.Tensor(slice_tensor, 1)
+view = view(clone_default, [-1, 2, 4])
+view_1 = view(clone_default_1, [-1])
+mul = mul.Tensor(view_1, 3)
+mul_1 = mul.Tensor(slice_tensor_3, 2)""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
+        torch._dynamo.reset()
+        got = torch.compile(m, backend=REWRITE_BACKEND)(_x(seed=2))
+        self.assertEqual([t.stride() for t in got], [t.stride() for t in m(_x(seed=2))])
 
     def test_norm_reused(self):
         m = NormReused()
