@@ -25,7 +25,7 @@ from torch.library import triton_op
 
 from ..reference.dropout import dropout_keep_mask
 from ..reference.jagged import require
-from ..reference.stu import uvqk_grad
+from ..reference.stu import preprocess_views, uvqk_grad
 from ._kernels import stu_kernels
 
 __all__ = ["stu_preprocess", "stu_preprocess_save", "preprocess_views", "stu_output", "stu_output_save", "stu_preprocess_bwd",
@@ -116,13 +116,6 @@ def _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias):
     normed32, mean, rstd = _norm_fwd(x, ln_weight, ln_bias, eps)
     normed = normed32.to(x.dtype)
     return normed, F.linear(normed, weight, bias), mean, rstd
-
-
-def preprocess_views(act: Tensor, uvqk: Tensor, u_dim: int, qk_dim: int, silu_all: bool = False):
-    """``(u, v, q, k)`` of :func:`stu_preprocess`'s ``(act, uvqk)``, as views (no copy): ``u = act`` and
-    v, q, k column slices of ``uvqk``, or all four column slices of ``act`` with ``silu_all``."""
-    u, v, q, k = torch.split(act if silu_all else uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
-    return (u if silu_all else act), v, q, k
 
 
 @triton_op("hstu::stu_preprocess", mutates_args=())

@@ -37,7 +37,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from .. import config
-from ..ops.stu import preprocess_views
+from ..reference.stu import preprocess_views
 from ..report import RewriteReport
 from .registry import register
 

@@ -19,7 +19,7 @@ def _stats(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-__all__ = ["split_activate", "uvqk_grad", "stu_preprocess", "stu_output", "stu_layer", "STULayer", "HSTUModel"]
+__all__ = ["split_activate", "preprocess_views", "uvqk_grad", "stu_preprocess", "stu_output", "stu_layer", "STULayer", "HSTUModel"]
 
 
 def split_activate(uvqk, u_dim, qk_dim, silu_all=False):
@@ -29,6 +29,13 @@ def split_activate(uvqk, u_dim, qk_dim, silu_all=False):
         uvqk = F.silu(uvqk)
     u, v, q, k = torch.split(uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
     return (u if silu_all else F.silu(u)), v, q, k
+
+
+def preprocess_views(act, uvqk, u_dim, qk_dim, silu_all=False):
+    """``(u, v, q, k)`` of ``hstu::stu_preprocess``'s ``(act, uvqk)``, as views (no copy): ``u = act``
+    and v, q, k column slices of ``uvqk``, or all four column slices of ``act`` with ``silu_all``."""
+    u, v, q, k = torch.split(act if silu_all else uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
+    return (u if silu_all else act), v, q, k
 
 
 def uvqk_grad(d_act, d_uvqk, pre, width):
