@@ -28,8 +28,8 @@ from ..reference.jagged import require
 from ..reference.stu import preprocess_views, uvqk_grad
 from ._kernels import stu_kernels
 
-__all__ = ["stu_preprocess", "stu_preprocess_save", "preprocess_views", "stu_output", "stu_output_save", "stu_preprocess_bwd",
-           "stu_output_bwd"]
+__all__ = ["stu_preprocess", "stu_preprocess_save", "preprocess_views", "stu_output", "stu_output_save",
+           "stu_preprocess_bwd", "stu_output_bwd"]
 
 aten = torch.ops.aten
 
