@@ -6,6 +6,7 @@ spec that the library's vectorised reference is checked against.
 from __future__ import annotations
 
 import math
+import operator
 import os
 
 import torch
@@ -186,3 +187,47 @@ def small_hstu_batch(lengths=SMALL_LENGTHS, seed=1):
     labels = torch.randint(0, SMALL_NUM_ITEMS, (L,), generator=g)
     nt = torch.tensor([min(1, n) for n in lengths])
     return ids, offsets_from_lengths(lengths), nt, labels
+
+
+_COPIES = (torch.ops.aten.clone.default, torch.ops.aten.copy.default, torch.ops.aten.copy_.default,
+           torch.ops.aten._to_copy.default)
+
+
+def _is_view(n) -> bool:
+    t = n.target
+    return t is operator.getitem or t is torch.ops.aten.reshape.default or getattr(t, "is_view", False)
+
+
+def projection_copies(graph, width):
+    """``(copies, views)``: the copy nodes and the view nodes reached through views only from the
+    2-D ``[L, width]`` tensors that ``graph`` computes (not views themselves), e.g. the preprocess
+    projection; a copy of v, q or k shows as a clone of one of its slices."""
+    todo = [n for n in graph.nodes if n.op == "call_function" and not _is_view(n)
+            and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 2
+            and n.meta["val"].shape[-1] == width]
+    copies, views = [], []
+    while todo:
+        for user in todo.pop().users:
+            if user.target in _COPIES:
+                copies.append(user)
+            elif _is_view(user):
+                views.append(user)
+                todo.append(user)
+    return copies, views
+
+
+def forward_copies_pass(width, found):
+    """A ``post_grad_custom_post_pass`` appending ``projection_copies(graph, width)`` of every forward
+    graph (one without tangents) to ``found``."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph):
+            if not any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder")):
+                found.append(projection_copies(graph, width))
+
+        def uuid(self):
+            return None  # no caching: the pass must run
+
+    return _Pass()
+

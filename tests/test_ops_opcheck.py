@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import hstu_inductor  # noqa: F401  (registers torch.ops.hstu.*)
 from _helpers import random_jagged, rel_err
 from hstu_inductor import reference as ref
+from hstu_inductor.ops import preprocess_views
 
 ops = torch.ops.hstu
 LENGTHS = [3, 0, 5, 1]
@@ -221,53 +222,60 @@ def test_opcheck_stu_preprocess(name, op):
     torch.library.opcheck(op, _pre_args(**PRE_CASES[name]))
 
 
+def _pre_grads(silu_all, seed, L=7, which=(True, True)):
+    """``(d_act, d_uvqk)`` for ``stu_preprocess_bwd``; a False in ``which`` leaves that one None."""
+    g = torch.Generator().manual_seed(seed)
+    D = 2 * (UD + QD)
+    return tuple(torch.randn(L, d, generator=g) if on else None
+                 for d, on in zip((D if silu_all else UD, D), which))
+
+
+@pytest.mark.parametrize("which", [(True, True), (True, False), (False, True)], ids=["both", "act", "uvqk"])
 @pytest.mark.parametrize("saved", [False, True], ids=["recompute", "save"])
 @pytest.mark.parametrize("name", list(PRE_CASES))
-def test_opcheck_stu_preprocess_bwd(name, saved):
+def test_opcheck_stu_preprocess_bwd(name, saved, which):
     args = _pre_args(**PRE_CASES[name], grad=False)
-    g = torch.Generator().manual_seed(1)
-    grads = tuple(torch.randn(7, d, generator=g) for d in (UD, UD, QD, QD))
-    extra = tuple(ops.stu_preprocess_save(*args)[4:]) if saved else ()
-    torch.library.opcheck(ops.stu_preprocess_bwd, (*grads, *args, *extra))
+    extra = tuple(ops.stu_preprocess_save(*args)[1:]) if saved else ()
+    torch.library.opcheck(ops.stu_preprocess_bwd, (*_pre_grads(args[-1], 1, which=which), *args, *extra))
 
 
 def test_stu_preprocess_save_intermediates():
-    """The extra outputs are what the backward would recompute, and carry no gradient."""
+    """The extra outputs are what the backward would recompute and carry no gradient; no output
+    aliases another (custom-op rule), not even for one row."""
     args = _pre_args(seed=9)
     x, lw, lb, eps, w, b = args[:6]
-    u, v, q, k, normed, uvqk, mean, rstd = ops.stu_preprocess_save(*args)
+    act, uvqk, normed, mean, rstd = ops.stu_preprocess_save(*args)
     assert rel_err(normed, F.layer_norm(x, (x.shape[1],), lw, lb, eps)) < 1e-6
     assert rel_err(uvqk, F.linear(normed, w, b)) < 1e-6
+    assert rel_err(act, F.silu(uvqk[:, :UD])) < 1e-6
     assert rel_err(mean.squeeze(1), x.mean(1)) < 1e-6
     assert rel_err(rstd.squeeze(1), (x.var(1, unbiased=False) + eps).rsqrt()) < 1e-6
-    assert not any(t.requires_grad for t in (normed, uvqk, mean, rstd))
-    ptrs = [t.data_ptr() for t in (u, v, q, k, normed, uvqk)]
-    assert len(set(ptrs)) == len(ptrs)
-    # one row: slices of the projection are contiguous, the outputs must still not alias it
-    one = ops.stu_preprocess_save(*_pre_args(seed=10, L=1))
-    assert len({t.data_ptr() for t in one[:6]}) == 6
+    assert act.requires_grad and uvqk.requires_grad
+    assert not any(t.requires_grad for t in (normed, mean, rstd))
+    for silu_all, L in ((False, 7), (True, 7), (False, 1)):
+        outs = ops.stu_preprocess_save(*_pre_args(seed=10, L=L, silu_all=silu_all))
+        assert len({t.untyped_storage().data_ptr() for t in outs}) == len(outs)
 
 
 def test_stu_preprocess_bwd_reads_saved_intermediates():
     """With the intermediates given, the backward uses them (a scaled ``normed`` scales ``d_weight``)
     and agrees with the recomputing backward when they are the forward's own."""
     args = _pre_args(grad=False, seed=11)
-    grads = tuple(torch.randn(7, d, generator=torch.Generator().manual_seed(12)) for d in (UD, UD, QD, QD))
-    normed, uvqk, mean, rstd = ops.stu_preprocess_save(*args)[4:]
+    grads = _pre_grads(False, 12)
+    uvqk, normed, mean, rstd = ops.stu_preprocess_save(*args)[1:]
     recomputed = ops.stu_preprocess_bwd(*grads, *args)
-    saved = ops.stu_preprocess_bwd(*grads, *args, normed, uvqk, mean, rstd)
+    saved = ops.stu_preprocess_bwd(*grads, *args, uvqk, normed, mean, rstd)
     for a, b in zip(saved, recomputed):
         assert rel_err(a, b) < 1e-6
-    scaled = ops.stu_preprocess_bwd(*grads, *args, normed * 2, uvqk, mean, rstd)
+    scaled = ops.stu_preprocess_bwd(*grads, *args, uvqk, normed * 2, mean, rstd)
     assert rel_err(scaled[3], 2 * recomputed[3]) < 1e-6  # d_weight = d_p^T @ normed
 
 
 def test_stu_preprocess_bwd_partial_saved_raises():
     args = _pre_args(grad=False)
-    grads = tuple(torch.randn(7, d) for d in (UD, UD, QD, QD))
-    normed = ops.stu_preprocess_save(*args)[4]
-    with pytest.raises(RuntimeError, match="all of normed, uvqk, mean, rstd or none"):
-        ops.stu_preprocess_bwd(*grads, *args, normed)
+    uvqk = ops.stu_preprocess_save(*args)[1]
+    with pytest.raises(RuntimeError, match="all of uvqk, normed, mean, rstd or none"):
+        ops.stu_preprocess_bwd(*_pre_grads(False, 0), *args, uvqk)
 
 
 def _pre_reference(x, lw, lb, eps, w, b, u_dim, qk_dim, silu_all):
@@ -280,24 +288,45 @@ def _pre_reference(x, lw, lb, eps, w, b, u_dim, qk_dim, silu_all):
     return (u if silu_all else F.silu(u)), v, q, k
 
 
+def _pre_views(op, args):
+    """The STU's ``(u, v, q, k)``: views of the op's ``(act, uvqk)``."""
+    return preprocess_views(*op(*args)[:2], *args[6:9])
+
+
+@pytest.mark.parametrize("op", [ops.stu_preprocess, ops.stu_preprocess_save], ids=["recompute", "save"])
 @pytest.mark.parametrize("name", list(PRE_CASES))
-def test_stu_preprocess_equals_reference(name):
-    args = _pre_args(**PRE_CASES[name], seed=2)
-    outs = ops.stu_preprocess(*args)
+def test_stu_preprocess_equals_reference(name, op):
+    """fp64 reference; gradients of all four views, then of subsets (the others get None)."""
+    args = _pre_args(**PRE_CASES[name], dtype=torch.float64, seed=2)
+    outs = _pre_views(op, args)
     expected = _pre_reference(*args)
     assert [o.shape for o in outs] == [(7, UD), (7, UD), (7, QD), (7, QD)]
     for a, b in zip(outs, expected):
-        assert rel_err(a, b) < 1e-5
+        assert rel_err(a, b) < 1e-12
     tensors = [t for t in (args[0], args[1], args[2], args[4], args[5]) if t is not None]
-    gs = [torch.randn_like(o) for o in outs]
-    for a, b in zip(torch.autograd.grad(outs, tensors, gs), torch.autograd.grad(expected, tensors, gs)):
-        assert rel_err(a, b) < 1e-4
+    for used in ((0, 1, 2, 3), (0,), (1, 3), (2,)):
+        gs = [torch.randn_like(outs[i]) for i in used]
+        got = torch.autograd.grad([outs[i] for i in used], tensors, gs, retain_graph=True)
+        want = torch.autograd.grad([expected[i] for i in used], tensors, gs, retain_graph=True)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-12, used
+
+
+def test_stu_preprocess_views_share_the_projection():
+    """v, q, k (and u with silu_all) are column views of one tensor: what the attention reads in place."""
+    for silu_all in (False, True):
+        act, uvqk = ops.stu_preprocess(*_pre_args(grad=False, silu_all=silu_all))
+        u, v, q, k = preprocess_views(act, uvqk, UD, QD, silu_all)
+        packed = act if silu_all else uvqk
+        for t, start in ((v, UD), (q, 2 * UD), (k, 2 * UD + QD)):
+            assert t._base is packed and t.storage_offset() == start and t.stride() == (2 * (UD + QD), 1)
+        assert (u._base is act) if silu_all else (u is act)
 
 
 def test_stu_preprocess_equals_reference_module_spelling():
     # hstu_inductor.reference.stu_preprocess uses addmm with W [E, out]; the op uses F.linear [out, E].
     x, lw, lb, eps, w, b, ud, qd, _ = _pre_args(seed=3)
-    u, v, q, k = ops.stu_preprocess(x, lw, lb, eps, w, b, ud, qd)
+    u, v, q, k = preprocess_views(*ops.stu_preprocess(x, lw, lb, eps, w, b, ud, qd), ud, qd)
     ru, rv, rq, rk = ref.stu_preprocess(x, lw, lb, w.t(), b, H, DQ, DV, eps)
     for a, b_ in zip((u, v, q, k), (ru, rv.reshape(7, -1), rq.reshape(7, -1), rk.reshape(7, -1))):
         assert rel_err(a, b_) < 1e-6
@@ -470,8 +499,9 @@ def test_stu_output_dropout_validation():
     assert torch.equal(ops.stu_output(*args, 0.0, torch.tensor(3)), ops.stu_output(*args))
 
 
-@pytest.mark.parametrize("op", [ops.stu_preprocess, lambda *a: ops.stu_preprocess_save(*a)[:4]],
-                         ids=["recompute", "save"])
+@pytest.mark.parametrize("op", [ops.stu_preprocess, lambda *a: ops.stu_preprocess_save(*a)[:2],
+                                lambda *a: preprocess_views(*ops.stu_preprocess_save(*a)[:2], *a[6:9])],
+                         ids=["recompute", "save", "save_views"])
 @pytest.mark.parametrize("name", ["affine_bias", "no_affine", "silu_all"])
 def test_stu_preprocess_gradcheck_float64(name, op):
     args = list(_pre_args(**PRE_CASES[name], dtype=torch.float64, seed=6, L=3, E=4, UD=2, QD=2))
@@ -643,7 +673,7 @@ def test_stu_ops_symbolic_L(fresh_dynamo):
     _, _, _, nw, nb, _, groups, wo, bo, concat = _out_args(grad=False, groups=H)
 
     def fn(x):
-        u, v, q, k = ops.stu_preprocess(x, lw, lb, eps, w, b, ud, qd, s)
+        u, v, q, k = preprocess_views(*ops.stu_preprocess(x, lw, lb, eps, w, b, ud, qd, s), ud, qd, s)
         attn = v * q[:, :ud].sigmoid()  # stand-in for attention, shapes only
         return ops.stu_output(attn, u, x, nw, nb, eps, groups, wo, bo, concat)
 

@@ -1,12 +1,12 @@
 """Fused Triton kernels for the dense STU blocks around attention (HSTU_SEMANTICS.md, "STU layer").
 
-preprocess  ``u, v, q, k = split(LayerNorm(x) @ W^T + b); u = silu(u)``
+preprocess  ``uvqk = LayerNorm(x) @ W^T + b; act = silu(u)`` (or ``silu(uvqk)``); v, q, k are views
     forward : LayerNorm kernel -> ``addmm`` (cuBLAS) (:func:`preprocess_projection`); the op then
-              splits and activates the projection with ATen ops that Inductor fuses.
+              activates the projection with an ATen silu that Inductor fuses.
     backward: the normalised x, the statistics and the pre-activations are either saved by the
               forward (``stu_preprocess_save``) or recomputed (LayerNorm kernel plus a matmul of
-              only the u columns unless ``silu_all``) -> the silu backward and the concatenated
-              ``d_uvqk`` (ATen) -> ``dW``, ``db``, ``d_normed`` by cuBLAS -> LayerNorm backward kernel.
+              only the u columns unless ``silu_all``) -> the silu backward added to ``d_uvqk``
+              (ATen) -> ``dW``, ``db``, ``d_normed`` by cuBLAS -> LayerNorm backward kernel.
 output      ``out = x + drop([u, attn,] u * Norm(attn)) @ W^T + b``  (Norm: layer or per-head group)
     forward : one kernel normalises attn (fp32 stats), multiplies by u, applies dropout and
               writes the projection input (for ``concat_ua`` the ``[L, 3C]`` buffer ``[u, attn, y]``
@@ -25,12 +25,13 @@ import triton
 import triton.language as tl
 
 from ..reference.dropout import keep_threshold
+from ..reference.stu import uvqk_grad
 from .common import launch, new_tensor, rowmajor
 from .norms import (affine_norm_grad, bwd_tile, norm_bwd, norm_fwd, normalize, num_partials, row_tile,
                     store_partials, supported_channels, tile, xhat_from_stats)
 from .rng import keep, seed_keys
 
-__all__ = ["supported_channels", "output_y", "output_y_bwd", "uvqk_grad", "linear", "stu_output_fwd", "stu_output_bwd",
+__all__ = ["supported_channels", "output_y", "output_y_bwd", "linear", "stu_output_fwd", "stu_output_bwd",
            "preprocess_projection", "stu_preprocess_bwd"]
 
 
@@ -223,15 +224,11 @@ def stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, groups, weight
 # --------------------------------------------------------------------------------------------
 
 
-# The split + silu of the projection (in the op) and its gradient are plain ATen on purpose: inside
-# the triton_op, Inductor fuses them into its own copy kernels, which measured 187 us against 368 us
-# for our per-segment Triton copies (H100, L=62k, width 2048, bf16; benchmarks/stu_kernels.py).
-def uvqk_grad(du, dv, dq, dk, pre, silu_all: bool):
-    """The gradient of the projection output ``[L, 2(UD+QD)]``; ``pre`` holds the pre-activations of
-    all columns (``silu_all``) or at least of the u columns (the first ``du.shape[1]``)."""
-    if silu_all:
-        return torch.ops.aten.silu_backward(torch.cat([du, dv, dq, dk], dim=1), pre)
-    return torch.cat([torch.ops.aten.silu_backward(du, pre[:, :du.shape[1]]), dv, dq, dk], dim=1)
+# The silu of the projection (in the op) and its gradient (reference.stu.uvqk_grad) are plain ATen on
+# purpose: inside the triton_op, Inductor fuses them with their neighbours (e.g. the assembly of d_uvqk
+# from the gradients of the v, q, k views). For the former split + copies, Inductor's kernels measured
+# 187 us against 368 us for our per-segment Triton copies (H100, L=62k, width 2048, bf16;
+# benchmarks/stu_kernels.py).
 
 
 def linear(inp, weight, bias):
@@ -246,18 +243,18 @@ def preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias):
     return normed, linear(normed, weight, bias), mean, rstd
 
 
-def stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all,
-                       normed=None, uvqk=None, mean=None, rstd=None):
-    """Gradients ``[d_x, d_ln_weight, d_ln_bias, d_weight, d_bias]`` (Nones dropped). Without the
-    forward's intermediates it recomputes the normalised x and the pre-activations the silu backward
-    needs (only the u columns unless silu_all)."""
+def stu_preprocess_bwd(d_act, d_uvqk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all,
+                       uvqk=None, normed=None, mean=None, rstd=None):
+    """Gradients ``[d_x, d_ln_weight, d_ln_bias, d_weight, d_bias]`` (Nones dropped) from those of the
+    op's ``(act, uvqk)`` (None: zero). Without the forward's intermediates it recomputes the
+    normalised x and the pre-activations the silu backward needs (only the u columns unless silu_all)."""
     if normed is None:
         normed, mean, rstd = norm_fwd(x, ln_weight, ln_bias, eps)
         if silu_all:
             uvqk = linear(normed, weight, bias)
         else:
             uvqk = linear(normed, weight[:u_dim], bias[:u_dim] if bias is not None else None)
-    d_p = uvqk_grad(du, dv, dq, dk, uvqk, silu_all)
+    d_p = uvqk_grad(d_act, d_uvqk, uvqk, weight.shape[0])
     d_w = d_p.t().mm(normed)
     d_b = d_p.sum(0) if bias is not None else None
     d_normed = d_p.mm(weight)

@@ -2,9 +2,10 @@
 
 Importing this package registers: ``attention``, ``attention_bwd``, ``attention_bwd_rab``, ``delta_attention``,
 ``stu_preprocess`` (+ ``_save``, ``_bwd``) and ``stu_output`` (+ ``_save``, ``_bwd``).
+``preprocess_views`` takes the STU's ``(u, v, q, k)`` from ``stu_preprocess``'s outputs as views.
 """
 from .attention import attention, attention_bwd, attention_bwd_rab, delta_attention
-from .stu import stu_output, stu_output_save, stu_preprocess, stu_preprocess_save
+from .stu import preprocess_views, stu_output, stu_output_save, stu_preprocess, stu_preprocess_save
 
-__all__ = ["attention", "attention_bwd", "attention_bwd_rab", "delta_attention", "stu_output", "stu_output_save", "stu_preprocess",
-           "stu_preprocess_save"]
+__all__ = ["attention", "attention_bwd", "attention_bwd_rab", "delta_attention", "preprocess_views", "stu_output",
+           "stu_output_save", "stu_preprocess", "stu_preprocess_save"]

@@ -7,7 +7,8 @@ CUDA inputs (fp16/bf16/fp32, kernels enabled) run the fused Triton kernels of
 the ATen bodies below, which are the semantic reference. The backward ops are closed-form. The
 preprocess backward either *recomputes* the normalisation and the projection's pre-activations from
 the saved inputs (``stu_preprocess``) or reads them from the forward (``stu_preprocess_save``:
-``[L, E + 2(u_dim+qk_dim)]`` more activation memory, no recompute); likewise the output block
+no recompute, for ``[L, E]`` more activation memory plus the projection output ``uvqk``, which
+the attention's v, q, k views keep alive anyway unless silu is on all four); likewise the output block
 (``stu_output`` recomputes its projection input and statistics, ``stu_output_save`` keeps them).
 
 Dropout in the output block is a pure function of ``(seed, flat index)``
@@ -24,11 +25,11 @@ from torch.library import triton_op
 
 from ..reference.dropout import dropout_keep_mask
 from ..reference.jagged import require
-from ..reference.stu import split_activate
+from ..reference.stu import preprocess_views, uvqk_grad
 from ._kernels import stu_kernels
 
-__all__ = ["stu_preprocess", "stu_preprocess_save", "stu_output", "stu_output_save", "stu_preprocess_bwd",
-           "stu_output_bwd"]
+__all__ = ["stu_preprocess", "stu_preprocess_save", "preprocess_views", "stu_output", "stu_output_save",
+           "stu_preprocess_bwd", "stu_output_bwd"]
 
 aten = torch.ops.aten
 
@@ -117,65 +118,69 @@ def _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias):
     return normed, F.linear(normed, weight, bias), mean, rstd
 
 
-def _split_activate(uvqk, u_dim, qk_dim, silu_all):
-    """``(silu(u), v, q, k)`` as new contiguous tensors (``clone``, not ``contiguous``: a one-row slice
-    is already contiguous and would alias ``uvqk``, which ``stu_preprocess_save`` also returns)."""
-    return tuple(t.clone(memory_format=torch.contiguous_format) for t in split_activate(uvqk, u_dim, qk_dim, silu_all))
-
-
 @triton_op("hstu::stu_preprocess", mutates_args=())
 def stu_preprocess(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float, weight: Tensor,
-                   bias: Optional[Tensor], u_dim: int, qk_dim: int,
-                   silu_all: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``LayerNorm(x) @ weight.T + bias`` split into ``(silu(u), v, q, k)`` (2-D, ``[L, *]``).
+                   bias: Optional[Tensor], u_dim: int, qk_dim: int, silu_all: bool = False) -> tuple[Tensor, Tensor]:
+    """``uvqk = LayerNorm(x) @ weight.T + bias`` and its activation, as ``(act, uvqk)`` (2-D, ``[L, *]``).
 
-    ``weight`` is in ``F.linear`` layout ``[2*(u_dim+qk_dim), E]``; ``silu_all`` activates all four.
-    LayerNorm statistics are computed in fp32 and the normalised x is cast back to ``x.dtype``.
-    Its backward recomputes the normalised x and the pre-activations (see ``stu_preprocess_save``).
+    ``act`` is ``silu(u)`` (``[L, u_dim]``, u = the first ``u_dim`` columns of uvqk) or, with
+    ``silu_all``, ``silu(uvqk)``; the STU's ``(u, v, q, k)`` are views of the two
+    (:func:`preprocess_views`; the columns are ``[u_dim, u_dim, qk_dim, qk_dim]``). The op returns the
+    packed tensors rather than v, q, k because a custom op's outputs may not alias each other: as
+    separate outputs they would be copies, while views taken outside the op cost nothing and the
+    attention kernels read them strided. Both outputs are differentiable.
+    ``weight`` is in ``F.linear`` layout ``[2*(u_dim+qk_dim), E]``. LayerNorm statistics are computed
+    in fp32 and the normalised x is cast back to ``x.dtype``. Its backward recomputes the normalised
+    x and the pre-activations (see ``stu_preprocess_save``).
     """
-    return tuple(stu_preprocess_save(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all)[:4])
+    return tuple(stu_preprocess_save(x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all)[:2])
 
 
 @triton_op("hstu::stu_preprocess_save", mutates_args=())
 def stu_preprocess_save(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float,
                         weight: Tensor, bias: Optional[Tensor], u_dim: int, qk_dim: int, silu_all: bool = False
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`stu_preprocess` that also returns the intermediates its backward needs, so that the
-    backward reads them instead of recomputing them: ``(u, v, q, k, normed, uvqk, mean, rstd)`` with
-    ``normed`` the LayerNorm output (``x.dtype``), ``uvqk`` the projection output before any silu
-    and ``mean``/``rstd`` ``[L, 1]`` statistics (fp32 or wider). The forward computes all of them
-    anyway; saving costs memory (``[L, E + 2(u_dim+qk_dim)]``), not time.
-    ``hstu_inductor.config.block_backward`` selects which op the pattern emits."""
+    backward reads them instead of recomputing them: ``(act, uvqk, normed, mean, rstd)`` with
+    ``normed`` the LayerNorm output (``x.dtype``) and ``mean``/``rstd`` ``[L, 1]`` statistics (fp32 or
+    wider); the backward reads its pre-activations from ``uvqk``. The forward computes all of them
+    anyway; saving costs memory (``normed``, and ``uvqk`` where the attention's v, q, k views do not
+    keep it alive anyway: with ``silu_all``), not time. ``hstu_inductor.config.block_backward``
+    selects which op the pattern emits."""
     _check_preprocess(x, weight, u_dim, qk_dim)
     kern = _kernels_for(x, weight, bias, norm_params=(ln_weight, ln_bias), channels=x.shape[1])
     project = kern.preprocess_projection if kern is not None else _preprocess_projection
     normed, uvqk, mean, rstd = project(x, ln_weight, ln_bias, eps, weight, bias)
-    # the split + silu is ATen on both paths (kernels/stu_blocks.py says why)
-    return (*_split_activate(uvqk, u_dim, qk_dim, silu_all), normed, uvqk, mean, rstd)
+    return _activate(uvqk, u_dim, silu_all), uvqk, normed, mean, rstd
+
+
+def _activate(uvqk: Tensor, u_dim: int, silu_all: bool) -> Tensor:
+    """The op's ``act``: a new tensor, never a view of ``uvqk``. ATen on both paths (kernels/stu_blocks.py
+    says why)."""
+    return F.silu(uvqk if silu_all else uvqk[:, :u_dim])
 
 
 @triton_op("hstu::stu_preprocess_bwd", mutates_args=())
-def stu_preprocess_bwd(du: Tensor, dv: Tensor, dq: Tensor, dk: Tensor, x: Tensor, ln_weight: Optional[Tensor],
+def stu_preprocess_bwd(d_act: Optional[Tensor], d_uvqk: Optional[Tensor], x: Tensor, ln_weight: Optional[Tensor],
                        ln_bias: Optional[Tensor], eps: float, weight: Tensor, bias: Optional[Tensor], u_dim: int,
-                       qk_dim: int, silu_all: bool, normed: Optional[Tensor] = None, uvqk: Optional[Tensor] = None,
+                       qk_dim: int, silu_all: bool, uvqk: Optional[Tensor] = None, normed: Optional[Tensor] = None,
                        mean: Optional[Tensor] = None, rstd: Optional[Tensor] = None) -> list[Tensor]:
-    """Gradients for ``x, ln_weight, ln_bias, weight, bias`` (only for the tensors that are not None).
-    ``normed, uvqk, mean, rstd`` are :func:`stu_preprocess_save`'s intermediates; when they are not
-    given they are recomputed from ``x`` (LayerNorm forward plus the u columns of the projection)."""
-    saved = (normed, uvqk, mean, rstd)
-    _check_saved("stu_preprocess_bwd", "normed, uvqk, mean, rstd", saved)
-    kern = _kernels_for(x, du, dv, dq, dk, weight, bias, norm_params=(ln_weight, ln_bias), channels=x.shape[1])
+    """Gradients for ``x, ln_weight, ln_bias, weight, bias`` (only for the tensors that are not None)
+    from ``d_act`` and ``d_uvqk``, the gradients of :func:`stu_preprocess`'s two outputs (None: zero;
+    ``d_uvqk`` is typically assembled by autograd from the gradients of the v, q, k views).
+    ``uvqk, normed, mean, rstd`` are :func:`stu_preprocess_save`'s outputs after ``act``; when they are
+    not given they are recomputed from ``x`` (LayerNorm forward plus the activated columns of the
+    projection)."""
+    saved = (uvqk, normed, mean, rstd)
+    _check_saved("stu_preprocess_bwd", "uvqk, normed, mean, rstd", saved)
+    kern = _kernels_for(x, d_act, d_uvqk, weight, bias, norm_params=(ln_weight, ln_bias), channels=x.shape[1])
     if kern is not None:
-        grads = kern.stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim,
+        grads = kern.stu_preprocess_bwd(d_act, d_uvqk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim,
                                         silu_all, *saved)
         return [g.contiguous() for g in grads]
     if normed is None:
         normed, uvqk, mean, rstd = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
-    grad = torch.cat([du, dv, dq, dk], dim=-1)
-    if silu_all:
-        grad = aten.silu_backward(grad, uvqk)
-    else:
-        grad = torch.cat([aten.silu_backward(du, uvqk[:, :u_dim]), dv, dq, dk], dim=-1)
+    grad = uvqk_grad(d_act, d_uvqk, uvqk, weight.shape[0])
     grads = [None, None, None, grad.t().mm(normed), grad.sum(0) if bias is not None else None]
     d_normed = grad.mm(weight)
     grads[0], grads[1], grads[2] = _norm_bwd(d_normed.to(_stats_dtype(x)), x, mean, rstd, ln_weight, ln_bias, 0)
@@ -312,15 +317,21 @@ def _expand(grads, optional_inputs):
 
 def _pre_setup(ctx, inputs, output):
     x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all = inputs
-    # stu_preprocess_save: the intermediates; stu_preprocess: none (recompute)
-    _save(ctx, (x, ln_weight, ln_bias, weight, bias), output[4:])
+    # stu_preprocess_save: the backward reads uvqk (also a differentiable output), normed, mean, rstd;
+    # stu_preprocess: nothing (recompute)
+    saved = output[1:] if len(output) > 2 else ()
+    if saved:
+        ctx.mark_non_differentiable(*saved[1:])
+    ctx.save_for_backward(x, ln_weight, ln_bias, weight, bias, *saved)
+    # an output without gradient (uvqk with silu_all, v/q/k views unused) stays None: no zeros to read
+    ctx.set_materialize_grads(False)
     ctx.args = (eps, u_dim, qk_dim, silu_all)
 
 
-def _pre_backward(ctx, du, dv, dq, dk, *_intermediates):
+def _pre_backward(ctx, d_act, d_uvqk, *_intermediates):
     x, ln_weight, ln_bias, weight, bias, *saved = ctx.saved_tensors
     eps, u_dim, qk_dim, silu_all = ctx.args
-    grads = torch.ops.hstu.stu_preprocess_bwd(du, dv, dq, dk, x, ln_weight, ln_bias, eps, weight, bias, u_dim,
+    grads = torch.ops.hstu.stu_preprocess_bwd(d_act, d_uvqk, x, ln_weight, ln_bias, eps, weight, bias, u_dim,
                                               qk_dim, silu_all, *saved)
     gx, gw_ln, gb_ln, gw, gb = _expand(grads, (x, ln_weight, ln_bias, weight, bias))
     return gx, gw_ln, gb_ln, None, gw, gb, None, None, None

@@ -2,6 +2,7 @@
 
     preprocess:  LayerNorm(x) -> projection -> split into u, v, q, k -> silu(u)
                  => torch.ops.hstu.stu_preprocess[_save](x, ln_w, ln_b, eps, W, b, hv, hq, silu_all)
+                    (u, v, q, k: column views of its (act, uvqk) outputs)
     output:      x + projection( [cat(u, a,] u * Norm(a) [)] )
                  => torch.ops.hstu.stu_output[_save](a, u, x, n_w, n_b, eps, groups, W, b, concat_ua)
 (the ``_save`` variants, emitted with ``config.block_backward="save"``, compute the same outputs
@@ -28,6 +29,7 @@ Proof, two layers (docs/patterns.md, "Preprocess and output blocks"):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from typing import Callable, Optional
 
@@ -35,6 +37,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from .. import config
+from ..reference.stu import preprocess_views
 from ..report import RewriteReport
 from .registry import register
 
@@ -152,23 +155,63 @@ def _order(graph: Graph) -> dict:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def _fake_call(target, args):
-    """meta['val'] for a new node: run ``target`` on the fake values of ``args``."""
-    vals = [_val(a) if isinstance(a, Node) else a for a in args]
+def _fake_call(target, args, kwargs=None):
+    """meta['val'] for a new node: run ``target`` on the fake values of ``args`` (nodes or values)."""
+    vals = torch.fx.node.map_arg(tuple(args), _val)  # nested too: view sizes may hold SymInt nodes
     modes = [v.fake_mode for v in vals if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")]
     if not modes:
         return None
     # the graph's meta values may belong to a different fake mode than the one active around us
     with modes[0]:
-        return target(*vals)
+        return target(*vals, **torch.fx.node.map_arg(dict(kwargs or {}), _val))
 
 
-def _call(graph: Graph, target, args) -> Node:
-    node = graph.call_function(target, tuple(args))
-    val = _fake_call(target, args)
+def _call(graph: Graph, target, args, kwargs=None) -> Node:
+    node = graph.call_function(target, tuple(args), kwargs or {})
+    val = _fake_call(target, args, kwargs)
     if val is not None:
         node.meta["val"] = val
     return node
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dim() == b.dim() and all(_eq(x, y) for x, y in zip(a.stride(), b.stride()))
+            and _eq(a.storage_offset(), b.storage_offset()))
+
+
+def _strides_free(node: Node, val) -> bool:
+    """Whether ``node``'s users compute the same when ``node`` holds ``val``: its values, maybe with
+    other strides. Only view ops can tell, by failing (``view`` of incompatible strides) or by reading
+    strides (``as_strided``): they are re-run on fake values and their own users checked likewise; a
+    graph output would show the caller other strides than eager's."""
+    old = _tval(node)
+    if old is not None and _same_layout(old, val):
+        return True
+    for user in node.users:
+        t = user.target
+        if user.op == "output" or t is aten.as_strided.default:
+            return False
+        if t is operator.getitem:  # a piece of a multi-output view (split)
+            out = val[user.args[1]]
+        elif getattr(t, "is_view", False) or t is aten._unsafe_view.default:
+            try:
+                out = _fake_call(t, [val if a is node else a for a in user.args], user.kwargs)
+            except Exception:  # e.g. view: "view size is not compatible with input tensor's size and stride"
+                return False
+        else:
+            continue
+        if not _strides_free(user, out):
+            return False
+    return True
+
+
+def _replace_by_view(graph: Graph, old: Node, new: Node) -> None:
+    """``old.replace_all_uses_with(new)`` for a ``new`` view holding ``old``'s values: a contiguous copy
+    of it where ``old``'s users depend on strides the view does not have (``_strides_free``)."""
+    if not _strides_free(old, _val(new)):
+        with graph.inserting_after(new):
+            new = _call(graph, aten.clone.default, [new], {"memory_format": torch.contiguous_format})
+    old.replace_all_uses_with(new)
 
 
 def _getitem(graph: Graph, src: Node, i: int) -> Node:
@@ -761,7 +804,8 @@ def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport, s
         outs = [piece_acts[i][0][0][0] if (i == 0 or silu_all) else split.pieces[i][0] for i in range(4)]
 
     def op_fn(x, lw, lb, w, b):
-        return torch.ops.hstu.stu_preprocess(x, lw, lb, norm.eps, w_lin_fn(w), b, hv, hq, silu_all)
+        return preprocess_views(*torch.ops.hstu.stu_preprocess(x, lw, lb, norm.eps, w_lin_fn(w), b, hv, hq, silu_all),
+                                hv, hq, silu_all)
 
     reason = _probe(probe_inputs, {norm.src}, outs, op_fn, xv.shape[0])
     if reason is not None:
@@ -774,12 +818,18 @@ def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport, s
         target = torch.ops.hstu.stu_preprocess_save.default if config.block_backward == "save" \
             else torch.ops.hstu.stu_preprocess.default
         op = _call(graph, target, [norm.src, norm.weight, norm.bias, norm.eps, w, proj.bias, hv, hq, silu_all])
-        new = [_getitem(graph, op, i) for i in range(4)]
+        op_act, op_uvqk = _getitem(graph, op, 0), _getitem(graph, op, 1)
+        # u, v, q, k as column views of the op's (act, uvqk), as preprocess_views takes them: separate op
+        # outputs would be copies (custom-op outputs may not alias), views in the graph cost nothing
+        packed = op_act if silu_all else op_uvqk
+        ends = list(itertools.accumulate(split.sizes, initial=0))
+        new = [op_act if i == 0 and not silu_all else _call(graph, aten.slice.Tensor, [packed, 1, ends[i], ends[i + 1]])
+               for i in range(4)]
     for i, nodes in enumerate(split.pieces):
         fused_act = silu_all_pre is None and (i == 0 or silu_all)
         if not fused_act:  # already activated (silu before the split) or left to the user's code
             for p in nodes:
-                p.replace_all_uses_with(new[i])
+                _replace_by_view(graph, p, new[i])
             continue
         for per_piece in piece_acts[i]:
             for act, chain in per_piece:
@@ -787,7 +837,8 @@ def _rewrite_preprocess_at(gm: GraphModule, node: Node, report: RewriteReport, s
                 with graph.inserting_before(act):
                     for v in chain:
                         cur = graph.node_copy(v, lambda a, v=v, cur=cur: cur if a is v.args[0] else a)
-                act.replace_all_uses_with(cur)
+                        cur.meta["val"] = _fake_call(cur.target, cur.args, cur.kwargs)  # new input strides
+                _replace_by_view(graph, act, cur)
     if silu_all_pre is None:
         fused = piece_acts if silu_all else piece_acts[:1]
         act_names = sorted({_act_spelling(a) for per in fused for pp in per for a, _ in pp})

@@ -19,7 +19,8 @@ def _stats(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-__all__ = ["split_activate", "stu_preprocess", "stu_output", "stu_layer", "STULayer", "HSTUModel"]
+__all__ = ["split_activate", "preprocess_views", "uvqk_grad", "stu_preprocess", "stu_output", "stu_layer", "STULayer",
+           "HSTUModel"]
 
 
 def split_activate(uvqk, u_dim, qk_dim, silu_all=False):
@@ -29,6 +30,28 @@ def split_activate(uvqk, u_dim, qk_dim, silu_all=False):
         uvqk = F.silu(uvqk)
     u, v, q, k = torch.split(uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
     return (u if silu_all else F.silu(u)), v, q, k
+
+
+def preprocess_views(act, uvqk, u_dim, qk_dim, silu_all=False):
+    """``(u, v, q, k)`` of ``hstu::stu_preprocess``'s ``(act, uvqk)``, as views (no copy): ``u = act``
+    and v, q, k column slices of ``uvqk``, or all four column slices of ``act`` with ``silu_all``."""
+    u, v, q, k = torch.split(act if silu_all else uvqk, [u_dim, u_dim, qk_dim, qk_dim], dim=-1)
+    return (u if silu_all else act), v, q, k
+
+
+def uvqk_grad(d_act, d_uvqk, pre, width):
+    """The gradient of a projection output ``uvqk: [L, width]`` from the gradients of ``act`` = silu of
+    its first ``d_act.shape[1]`` columns (all of them for silu on u, v, q, k; the u columns otherwise)
+    and of ``uvqk`` itself (``hstu::stu_preprocess``'s two outputs). ``pre`` holds at least the
+    pre-activations of the activated columns. A gradient that is None counts as zero.
+    The silu part is padded and added rather than concatenated, so that a compiler fuses the
+    assembly of ``d_uvqk`` (from its views' gradients) and this sum into one pass."""
+    if d_act is None:
+        return d_uvqk if d_uvqk is not None else pre.new_zeros(pre.shape[0], width)
+    grad = torch.ops.aten.silu_backward(d_act, pre[:, :d_act.shape[1]])
+    if grad.shape[1] < width:
+        grad = F.pad(grad, (0, width - grad.shape[1]))
+    return grad if d_uvqk is None else d_uvqk + grad
 
 
 def stu_preprocess(x, ln_weight, ln_bias, w_uvqk, b_uvqk, num_heads, attn_dim, hidden_dim, eps=1e-6, silu_all=False):

@@ -18,8 +18,9 @@ import triton.language as tl
 import hstu_inductor  # noqa: F401  (registers torch.ops.hstu.*)
 from hstu_inductor.kernels import common, norms, rng
 from hstu_inductor.kernels import stu_blocks as K
-from hstu_inductor.reference.stu import split_activate
 from hstu_inductor.ops import stu as stu_ops
+from hstu_inductor.ops.stu import preprocess_views
+from hstu_inductor.reference.stu import split_activate, uvqk_grad
 from hstu_inductor.reference.dropout import dropout_hash, dropout_keep_mask, keep_threshold
 
 HAS_CUDA = torch.cuda.is_available()
@@ -321,7 +322,7 @@ def test_fp32_norm_params_with_fp16_activations(kernels_on_cpu):
     wp = rand((4 * C, E), dtype, g, 0.3)
     leaves = [t.requires_grad_() for t in (attn, u, x, nw, nb, w, b, lw, lb, wp)]
     out = ops.stu_output(attn, u, x, nw, nb, 1e-5, 3, w, b, False, 0.3, seed_tensor(8))
-    pre = ops.stu_preprocess(x, lw, lb, 1e-5, wp, None, C, C, False)
+    pre = PRE_OPS["recompute"](x, lw, lb, 1e-5, wp, None, C, C, False)
     a64, u64, x64, nw64, nb64, w64, b64, lw64, lb64, wp64 = leaf64(*leaves)
     ref = ref_stu_output(a64, u64, x64, nw64, nb64, 1e-5, 3, w64, b64, False, 0.3, seed_tensor(8))
     pref = ref_stu_preprocess(x64, lw64, lb64, 1e-5, wp64, None, C, C, False)
@@ -376,8 +377,10 @@ PRE_CASES = [  # (affine, bias, silu_all)
 ]
 
 
-# stu_preprocess: the backward recomputes; stu_preprocess_save: it reads the forward's intermediates
-PRE_OPS = {"recompute": lambda *a: ops.stu_preprocess(*a), "save": lambda *a: ops.stu_preprocess_save(*a)[:4]}
+# stu_preprocess: the backward recomputes; stu_preprocess_save: it reads the forward's intermediates.
+# Each returns (act, uvqk) (PRE_RAW); PRE_OPS takes the STU's (u, v, q, k) views of them.
+PRE_RAW = {"recompute": ops.stu_preprocess, "save": lambda *a: ops.stu_preprocess_save(*a)[:2]}
+PRE_OPS = {m: (lambda *a, op=op: preprocess_views(*op(*a), *a[6:9])) for m, op in PRE_RAW.items()}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -392,17 +395,45 @@ def test_stu_preprocess_op_kernels(kernels_on_cpu, dtype, affine, bias, silu_all
     w = rand((2 * (UD + QD), E), dtype, g, 0.3)
     b = rand((2 * (UD + QD),), dtype, g, 0.3) if bias else None
     leaves = [t.requires_grad_() if t is not None else None for t in (x, lw, lb, w, b)]
-    outs = PRE_OPS[mode](x, lw, lb, 1e-5, w, b, UD, QD, silu_all)
+    raw = PRE_RAW[mode](x, lw, lb, 1e-5, w, b, UD, QD, silu_all)
+    assert all(o.dtype == dtype and o.is_contiguous() for o in raw)
+    outs = preprocess_views(*raw, UD, QD, silu_all)
     x64, lw64, lb64, w64, b64 = leaf64(*leaves)
     refs = ref_stu_preprocess(x64, lw64, lb64, 1e-5, w64, b64, UD, QD, silu_all)
     for o, r in zip(outs, refs):
-        assert o.dtype == dtype and o.is_contiguous() and rel_err(o, r) < TOL[dtype] * 2
-    grads = [rand(o.shape, dtype, gen(61 + i)) for i, o in enumerate(outs)]
+        assert rel_err(o, r) < TOL[dtype] * 2
     live = [t for t in leaves if t is not None]
-    got = torch.autograd.grad(outs, live, grads)
-    torch.autograd.backward(refs, [t.double().cpu() for t in grads])
-    for a, r in zip(got, [t for t in (x64, lw64, lb64, w64, b64) if t is not None]):
-        assert rel_err(a, r.grad) < GTOL[dtype]
+    live64 = [t for t in (x64, lw64, lb64, w64, b64) if t is not None]
+    # the views' gradients (what the STU uses), then some outputs without any: their grads are None
+    for used in ((0, 1, 2, 3), (1, 2)):
+        grads = [rand(outs[i].shape, dtype, gen(61 + i)) for i in used]
+        got = torch.autograd.grad([outs[i] for i in used], live, grads, retain_graph=True)
+        want = torch.autograd.grad([refs[i] for i in used], live64, [t.double().cpu() for t in grads],
+                                   retain_graph=True)
+        for a, r in zip(got, want):
+            assert rel_err(a, r) < GTOL[dtype]
+
+
+@pytest.mark.parametrize("silu_all", [False, True])
+@pytest.mark.parametrize("mode", list(PRE_RAW))
+def test_stu_preprocess_op_kernels_raw_outputs(kernels_on_cpu, silu_all, mode):
+    """Gradients of both raw outputs at once: d_uvqk also covers the activated columns (overlapping d_act)."""
+    dtype, L, E, UD, QD = torch.float32, 19, 12, 6, 10
+    g = gen(66 + silu_all)
+    leaves = [rand(s, dtype, g, sc, sh).requires_grad_()
+              for s, sc, sh in (((L, E), 1.5, 0.3), ((E,), 0.5, 1.0), ((E,), 0.2, 0.0),
+                                ((2 * (UD + QD), E), 0.3, 0.0), ((2 * (UD + QD),), 0.3, 0.0))]
+    x, lw, lb, w, b = leaves
+    act, uvqk = PRE_RAW[mode](x, lw, lb, 1e-5, w, b, UD, QD, silu_all)
+    x64, lw64, lb64, w64, b64 = leaf64(*leaves)
+    p64 = ref_norm(x64, lw64, lb64, 1, 1e-5)[0] @ w64.t() + b64
+    act64 = F.silu(p64 if silu_all else p64[:, :UD])
+    assert rel_err(act, act64) < TOL[dtype] and rel_err(uvqk, p64) < TOL[dtype]
+    grads = [rand(t.shape, dtype, gen(67 + i)) for i, t in enumerate((act, uvqk))]
+    got = torch.autograd.grad((act, uvqk), leaves, grads)
+    want = torch.autograd.grad((act64, p64), (x64, lw64, lb64, w64, b64), [t.double().cpu() for t in grads])
+    for a, r in zip(got, want):
+        assert rel_err(a, r) < GTOL[dtype]
 
 
 def test_split_activate_and_uvqk_grad_direct():
@@ -415,13 +446,17 @@ def test_split_activate_and_uvqk_grad_direct():
         assert torch.allclose(u, F.silu(p[:, :UD]), atol=1e-6)
         for t, lo, hi in ((v, UD, 2 * UD), (q, 2 * UD, 2 * UD + QD), (k, 2 * UD + QD, 2 * (UD + QD))):
             assert torch.allclose(t, act[:, lo:hi], atol=1e-6)
-        ds = [rand(t.shape, torch.float32, g) for t in (u, v, q, k)]
-        pre = p if silu_all else p[:, :UD]
-        dp = K.uvqk_grad(*ds, pre, silu_all)
+        d_act = rand((L, 2 * (UD + QD) if silu_all else UD), torch.float32, g)
+        d_uvqk = rand(p.shape, torch.float32, g)
+        pre = p if silu_all else p[:, :UD]  # the recompute path has only the activated columns
         p64 = p.double().requires_grad_()
-        full = F.silu(p64) if silu_all else torch.cat([F.silu(p64[:, :UD]), p64[:, UD:]], 1)
-        full.backward(torch.cat(ds, 1).double())
-        assert rel_err(dp, p64.grad) < 1e-6
+        act64 = F.silu(p64 if silu_all else p64[:, :UD])
+        for da, du in ((d_act, d_uvqk), (d_act, None), (None, d_uvqk)):
+            dp = uvqk_grad(da, du, pre, p.shape[1])
+            outs, gs = zip(*[(o, t.double()) for o, t in ((act64, da), (p64, du)) if t is not None])
+            (want,) = torch.autograd.grad(outs, p64, gs, retain_graph=True)
+            assert rel_err(dp, want) < 1e-6
+        assert torch.equal(uvqk_grad(None, None, pre, p.shape[1]), torch.zeros_like(p))
 
 
 def test_cuda_routing_rules():
@@ -552,7 +587,7 @@ def test_gpu_stu_ops_under_torch_compile(concat, p):
     params = [t.requires_grad_() for t in (x, lw, lb, wp, bp, nw, nb, wo, bo)]
 
     def block(x, lw, lb, wp, bp, nw, nb, wo, bo):
-        u, v, q, k = ops.stu_preprocess(x, lw, lb, 1e-6, wp, bp, C, C, False)
+        u, v, q, k = preprocess_views(*ops.stu_preprocess(x, lw, lb, 1e-6, wp, bp, C, C, False), C, C)
         attn = v * torch.sigmoid(q + k)  # stand-in for attention
         return ops.stu_output(attn, u, x, nw, nb, 1e-6, H, wo, bo, concat, p, seed)
 

@@ -10,7 +10,7 @@ from hstu_inductor.patterns import blocks
 from hstu_inductor.reference import HSTUModel, STULayer
 from hstu_inductor.report import RewriteReport, collecting
 from test_blocks_common import check_compiled, rewritten
-from _helpers import REWRITE_BACKEND
+from _helpers import REWRITE_BACKEND, forward_copies_pass
 
 E, H, DQ, DV, N = 16, 2, 4, 8, 8
 
@@ -85,6 +85,35 @@ class TestReferenceModel(TestCase):
         self.assertLessEqual(rep.graphs, 2)  # first compile + at most one dynamic recompile
         self.assertEqual(rep.counts["preprocess"], rep.graphs)
         self.assertEqual(rep.counts["output"], rep.graphs)
+
+
+class TestNoCopiesBeforeAttention(TestCase):
+    """v, q, k reach the attention as views of the projection: Inductor's forward graph (post-grad, where
+    the ops' bodies are inlined) copies none of them. They used to be the op's contiguous clones, one
+    copy kernel each (issue 22 item 6)."""
+
+    def test_stu_layer(self):
+        for mode in ("save", "recompute"):
+            with self.subTest(mode=mode), hstu_inductor.config.patch(block_backward=mode):
+                found = []
+                m = _layer()
+                x, off = _batch([3, 5], seed=4)
+                x.requires_grad_()
+                torch._dynamo.reset()
+                inspect = forward_copies_pass(2 * H * (DQ + DV), found)
+                compiled = torch.compile(m, backend="hstu", options={"post_grad_custom_post_pass": inspect})
+                with collecting() as rep:
+                    out = compiled(x, off, N)
+                self.assertEqual((rep.counts["preprocess"], rep.counts["attention"]), (1, 1), str(rep))
+                self.assertEqual(len(found), 1)
+                copies, views = found[0]
+                self.assertEqual(copies, [])
+                self.assertTrue(any(v.target is torch.ops.aten.slice.Tensor for v in views), views)
+                (gx,) = torch.autograd.grad(out.sum(), x)
+                x2 = x.detach().clone().requires_grad_()
+                want = m(x2, off, N)
+                torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(gx, torch.autograd.grad(want.sum(), x2)[0], rtol=1e-3, atol=1e-3)
 
 
 class TestProbe(TestCase):

@@ -1,6 +1,8 @@
 """preprocess: LayerNorm -> projection -> split into u, v, q, k -> silu(u)  =>  hstu.stu_preprocess."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from expecttest import TestCase
@@ -8,6 +10,7 @@ from torch import nn
 
 import hstu_inductor  # noqa: F401  (registers the backend and ops)
 from hstu_inductor import reference
+from _helpers import REWRITE_BACKEND
 from test_blocks_common import assert_near_miss, check_compiled, rewritten, summary
 
 E, HV, HQ, L = 16, 8, 6, 7
@@ -24,14 +27,15 @@ def _rand(*shape):
 class RefPreprocess(nn.Module):
     """The reference spelling: F.layer_norm(x.float()).to(dtype) -> addmm -> split -> silu(u)."""
 
-    def __init__(self, H=2, Dq=3, Dv=4):
+    def __init__(self, H=2, Dq=3, Dv=4, silu_all=False):
         super().__init__()
-        self.H, self.Dq, self.Dv = H, Dq, Dv
+        self.H, self.Dq, self.Dv, self.silu_all = H, Dq, Dv, silu_all
         self.ln_w, self.ln_b = _rand(E), _rand(E)
         self.w, self.b = _rand(E, 2 * H * (Dq + Dv)), _rand(2 * H * (Dq + Dv))
 
     def forward(self, x):
-        u, v, q, k = reference.stu_preprocess(x, self.ln_w, self.ln_b, self.w, self.b, self.H, self.Dq, self.Dv)
+        u, v, q, k = reference.stu_preprocess(x, self.ln_w, self.ln_b, self.w, self.b, self.H, self.Dq, self.Dv,
+                                              silu_all=self.silu_all)
         return u * 2, v, q + 1, k
 
 
@@ -95,6 +99,22 @@ class SiluEachChunkAfterView(nn.Module):
         return u, F.silu(v), F.silu(q), F.silu(k)
 
 
+class SiluEachChunkStrides(nn.Module):
+    """silu on every chunk: the rewrite gives column views of the op's packed output where the user's
+    code had contiguous silu results. Pointwise users take the views as they are (u, k); a view that
+    needs contiguity (q's ``view(-1)``) or a graph output (v: the caller sees its strides) gets a
+    contiguous copy of that piece."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(E)
+        self.proj = nn.Linear(E, 2 * (HV + HQ))
+
+    def forward(self, x):
+        u, v, q, k = torch.split(self.proj(self.ln(x)), [HV, HV, HQ, HQ], dim=-1)
+        return F.silu(u) + 1, F.silu(v).view(-1, 2, HV // 2), F.silu(q).view(-1) * 3, F.silu(k) * 2
+
+
 class NormReused(nn.Module):
     """The LayerNorm output is also used elsewhere: it stays alive, the block is still fused."""
 
@@ -128,11 +148,12 @@ t_default = t(arg2_1)
 stu_preprocess_save_default = hstu.stu_preprocess_save(arg4_1, arg0_1, arg1_1, 1e-06, t_default, arg3_1, 8, 6, False)
 getitem_7 = getitem(stu_preprocess_save_default, 0)
 getitem_8 = getitem(stu_preprocess_save_default, 1)
-getitem_9 = getitem(stu_preprocess_save_default, 2)
-getitem_10 = getitem(stu_preprocess_save_default, 3)
-view = view(getitem_8, [7, 2, 4])
-view_1 = view(getitem_9, [7, 2, 3])
-view_2 = view(getitem_10, [7, 2, 3])
+slice_tensor = slice.Tensor(getitem_8, 1, 8, 16)
+slice_tensor_1 = slice.Tensor(getitem_8, 1, 16, 22)
+slice_tensor_2 = slice.Tensor(getitem_8, 1, 22, 28)
+view = view(slice_tensor, [7, 2, 4])
+view_1 = view(slice_tensor_1, [7, 2, 3])
+view_2 = view(slice_tensor_2, [7, 2, 3])
 mul = mul.Tensor(getitem_7, 2)
 add = add.Tensor(view_1, 1)""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
@@ -145,8 +166,9 @@ add = add.Tensor(view_1, 1)""")
 stu_preprocess_save_default = hstu.stu_preprocess_save(arg2_1, arg0_1, arg1_1, 1e-05, arg3_1, arg4_1, 8, 8, False)
 getitem_7 = getitem(stu_preprocess_save_default, 0)
 getitem_8 = getitem(stu_preprocess_save_default, 1)
-getitem_9 = getitem(stu_preprocess_save_default, 2)
-getitem_10 = getitem(stu_preprocess_save_default, 3)""")
+slice_tensor = slice.Tensor(getitem_8, 1, 8, 16)
+slice_tensor_1 = slice.Tensor(getitem_8, 1, 16, 24)
+slice_tensor_2 = slice.Tensor(getitem_8, 1, 24, 32)""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
 
@@ -157,8 +179,9 @@ getitem_10 = getitem(stu_preprocess_save_default, 3)""")
 stu_preprocess_save_default = hstu.stu_preprocess_save(arg0_1, None, None, 0.001, arg1_1, None, 8, 6, False)
 getitem_3 = getitem(stu_preprocess_save_default, 0)
 getitem_4 = getitem(stu_preprocess_save_default, 1)
-getitem_5 = getitem(stu_preprocess_save_default, 2)
-getitem_6 = getitem(stu_preprocess_save_default, 3)""")
+slice_tensor = slice.Tensor(getitem_4, 1, 8, 16)
+slice_tensor_1 = slice.Tensor(getitem_4, 1, 16, 22)
+slice_tensor_2 = slice.Tensor(getitem_4, 1, 22, 28)""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
 
@@ -169,10 +192,11 @@ getitem_6 = getitem(stu_preprocess_save_default, 3)""")
 t_default = t(arg3_1)
 stu_preprocess_save_default = hstu.stu_preprocess_save(arg2_1, arg0_1, arg1_1, 1e-05, t_default, arg4_1, 8, 6, True)
 getitem_7 = getitem(stu_preprocess_save_default, 0)
-getitem_8 = getitem(stu_preprocess_save_default, 1)
-getitem_9 = getitem(stu_preprocess_save_default, 2)
-getitem_10 = getitem(stu_preprocess_save_default, 3)
-view = view(getitem_8, [7, 2, 4])""")
+slice_tensor = slice.Tensor(getitem_7, 1, 0, 8)
+slice_tensor_1 = slice.Tensor(getitem_7, 1, 8, 16)
+slice_tensor_2 = slice.Tensor(getitem_7, 1, 16, 22)
+slice_tensor_3 = slice.Tensor(getitem_7, 1, 22, 28)
+view = view(slice_tensor_1, [7, 2, 4])""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
 
@@ -181,12 +205,40 @@ view = view(getitem_8, [7, 2, 4])""")
         self.assertExpectedInline(self._graph(m, _x(), spelling="layer_norm -> linear -> split -> silu(all)"), """\
 stu_preprocess_save_default = hstu.stu_preprocess_save(arg0_1, None, None, 1e-05, arg1_1, None, 8, 6, True)
 getitem_7 = getitem(stu_preprocess_save_default, 0)
-getitem_8 = getitem(stu_preprocess_save_default, 1)
-getitem_9 = getitem(stu_preprocess_save_default, 2)
-getitem_10 = getitem(stu_preprocess_save_default, 3)
-view_1 = view(getitem_7, [-1, 2, 4])""")
+slice_tensor = slice.Tensor(getitem_7, 1, 0, 8)
+slice_tensor_1 = slice.Tensor(getitem_7, 1, 8, 16)
+clone_default_1 = clone(slice_tensor_1, memory_format=torch.contiguous_format)
+slice_tensor_2 = slice.Tensor(getitem_7, 1, 16, 22)
+clone_default_2 = clone(slice_tensor_2, memory_format=torch.contiguous_format)
+slice_tensor_3 = slice.Tensor(getitem_7, 1, 22, 28)
+clone_default_3 = clone(slice_tensor_3, memory_format=torch.contiguous_format)
+view_1 = view(slice_tensor, [-1, 2, 4])
+clone_default = clone(view_1, memory_format=torch.contiguous_format)""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
+
+    def test_silu_each_chunk_strides(self):
+        m = SiluEachChunkStrides()
+        self.assertExpectedInline(self._graph(m, _x(), spelling="layer_norm -> linear+bias -> split -> silu(all)"),
+                                  """\
+stu_preprocess_save_default = hstu.stu_preprocess_save(arg2_1, arg0_1, arg1_1, 1e-05, arg3_1, arg4_1, 8, 6, True)
+getitem_7 = getitem(stu_preprocess_save_default, 0)
+slice_tensor = slice.Tensor(getitem_7, 1, 0, 8)
+slice_tensor_1 = slice.Tensor(getitem_7, 1, 8, 16)
+clone_default = clone(slice_tensor_1, memory_format=torch.contiguous_format)
+slice_tensor_2 = slice.Tensor(getitem_7, 1, 16, 22)
+clone_default_1 = clone(slice_tensor_2, memory_format=torch.contiguous_format)
+slice_tensor_3 = slice.Tensor(getitem_7, 1, 22, 28)
+add = add.Tensor(slice_tensor, 1)
+view = view(clone_default, [-1, 2, 4])
+view_1 = view(clone_default_1, [-1])
+mul = mul.Tensor(view_1, 3)
+mul_1 = mul.Tensor(slice_tensor_3, 2)""")
+        check_compiled(m, _x(), train=True, counts={"preprocess": 1})
+        check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
+        torch._dynamo.reset()
+        got = torch.compile(m, backend=REWRITE_BACKEND)(_x(seed=2))
+        self.assertEqual([t.stride() for t in got], [t.stride() for t in m(_x(seed=2))])
 
     def test_norm_reused(self):
         m = NormReused()
@@ -204,11 +256,12 @@ t_default = t(arg2_1)
 stu_preprocess_save_default = hstu.stu_preprocess_save(arg4_1, arg0_1, arg1_1, 1e-06, t_default, arg3_1, 8, 6, False)
 getitem_7 = getitem(stu_preprocess_save_default, 0)
 getitem_8 = getitem(stu_preprocess_save_default, 1)
-getitem_9 = getitem(stu_preprocess_save_default, 2)
-getitem_10 = getitem(stu_preprocess_save_default, 3)
-view = view(getitem_8, [7, 2, 4])
-view_1 = view(getitem_9, [7, 2, 3])
-view_2 = view(getitem_10, [7, 2, 3])
+slice_tensor = slice.Tensor(getitem_8, 1, 8, 16)
+slice_tensor_1 = slice.Tensor(getitem_8, 1, 16, 22)
+slice_tensor_2 = slice.Tensor(getitem_8, 1, 22, 28)
+view = view(slice_tensor, [7, 2, 4])
+view_1 = view(slice_tensor_1, [7, 2, 3])
+view_2 = view(slice_tensor_2, [7, 2, 3])
 mul = mul.Tensor(getitem_7, 2)
 add = add.Tensor(view_1, 1)""")
         check_compiled(m, x, train=True, rtol=2e-2, grad_rtol=5e-2, counts={"preprocess": 1})
@@ -230,6 +283,17 @@ class TestPreprocessBackwardModes(TestCase):
                 self.assertIn(f", {silu_all})", g)
                 check_compiled(m, _x(seed=2), train=True, counts={"preprocess": 1})
                 check_compiled(m, _x(seed=3), train=False, counts={"preprocess": 1})
+
+    def test_fp64_against_the_reference(self):
+        """The rewritten block (u, v, q, k as views of the op's outputs) equals the eager reference in
+        fp64 on fresh random inputs and parameters: outputs and the gradients of x, the LayerNorm
+        weight and bias, W and b, for silu on u or on all four, in both backward modes."""
+        for i, (mode, silu_all) in enumerate(itertools.product(("save", "recompute"), (False, True))):
+            with self.subTest(mode=mode, silu_all=silu_all), hstu_inductor.config.patch(block_backward=mode):
+                torch.manual_seed(100 + i)
+                m = RefPreprocess(silu_all=silu_all).double()
+                check_compiled(m, _x(seed=200 + i, dtype=torch.float64), train=True, rtol=1e-10, grad_rtol=1e-10,
+                               counts={"preprocess": 1})
 
     def test_bad_mode_rejected(self):
         with self.assertRaisesRegex(ValueError, "block_backward"):
