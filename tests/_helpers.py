@@ -33,6 +33,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / den
 
 
+def check_output(out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
+    """``out`` has ``ref``'s shape, is finite and within ``tol`` of it (relative norm). An all-zero ``ref``
+    (every row masked or empty) must be matched by an all-zero ``out``; returns False then (no gradient to
+    compare relatively), else True."""
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    if not ref.any():
+        assert not out.any()
+        return False
+    assert rel_err(out, ref) < tol
+    return True
+
+
 def offsets_from_lengths(lengths, dtype=torch.int64) -> torch.Tensor:
     out = [0]
     for n in lengths:

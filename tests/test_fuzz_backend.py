@@ -23,7 +23,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from hstu_inductor.reference import hstu_mha
 from hstu_inductor.report import collecting
 
-from _helpers import offsets_from_lengths, rel_err
+from _helpers import check_output, offsets_from_lengths, rel_err
 
 CPU_SETTINGS = settings(max_examples=6, deadline=None, derandomize=True, database=None,
                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -190,12 +190,9 @@ def test_backend_matches_eager_fuzz_gpu(case):
         ref64 = [a.detach().double().requires_grad_(train) if i < 3 else
                  (a.double() if i == 5 else a) for i, a in enumerate(args)]
         ref = attn(*ref64)
-    assert out.shape == ref.shape and torch.isfinite(out).all()
-    if not ref.any():
-        assert not out.any()
-        return
     tol = GPU_TOL[dtype]
-    assert rel_err(out, ref) < tol
+    if not check_output(out, ref, tol):
+        return
     if train and out.numel():
         g = torch.randn_like(out)
         got = torch.autograd.grad(out, args[:3], g)

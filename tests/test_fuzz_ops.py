@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hstu_inductor import ops
 from hstu_inductor.reference import delta_hstu_mha, hstu_mha
 
-from _helpers import offsets_from_lengths, rel_err
+from _helpers import check_output, offsets_from_lengths, rel_err
 
 EXAMPLES = int(os.environ.get("HSTU_GPU_FUZZ_EXAMPLES", "0"))
 SETTINGS = settings(max_examples=EXAMPLES or 25, deadline=None, derandomize=not EXAMPLES, database=None,
@@ -90,12 +90,9 @@ def test_attention_op_fuzz(c):
     if "rab" in kw:
         kw["rab"].requires_grad_()
     want = hstu_mha(N, alpha, *hi, off, causal=causal, **kw)
-    assert out.shape == want.shape and torch.isfinite(out).all()
-    if not want.any():
-        assert not out.any()
-        return
     tol = TOL[dtype]
-    assert rel_err(out, want) < tol
+    if not check_output(out, want, tol):
+        return
     g = torch.randn_like(want)
     leaves = [*low, lkw["rab"]] if "rab" in lkw else low
     got = torch.autograd.grad(out, leaves, g.to(dtype))
@@ -126,8 +123,4 @@ def test_delta_attention_op_fuzz(c, rows):
     out = ops.delta_attention(dq.to(dtype), k.to(dtype), v.to(dtype), off, N, alpha, lkw.get("num_targets"),
                               lkw.get("attn_scale"), lkw.get("max_attn_len", 0), lkw.get("contextual_seq_len", 0))
     want = delta_hstu_mha(N, alpha, dq, k, v, off, **kw)
-    assert out.shape == want.shape and torch.isfinite(out).all()
-    if want.any():
-        assert rel_err(out, want) < TOL[dtype]
-    else:
-        assert not out.any()
+    check_output(out, want, TOL[dtype])
