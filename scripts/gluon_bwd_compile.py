@@ -21,12 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from gluon_compile import parse_args, ptxas_report, summarize  # noqa: E402
+from gluon_compile import compile_sm90, parse_args, ptxas_report, summarize  # noqa: E402
 from hstu_inductor.kernels import gluon_backward as gb  # noqa: E402
 
 
@@ -60,16 +57,7 @@ def compile_variant(kernel: str, cfg: dict, has_tgt=True, dtype="bf16"):
         consts = dict(common, BLOCK_N=BN, KSTAGES=cfg["DQ_KSTAGES"], VSTAGES=cfg["DQ_VSTAGES"],
                       OVERLAP=cfg["OVERLAP"], REGS=cfg["DQ_REGS"])
         div16 = ("DQ", "SEQ_OFFSETS", "NUM_TARGETS", "stride_om", "H", "ROWS", "MAX_N")
-    for k in consts:
-        sig[k] = "constexpr"
-    assert sorted(sig) == sorted(fn.arg_names), (sorted(sig), sorted(fn.arg_names))
-    sig = {a: sig[a] for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
-    src = GluonASTSource(fn, sig, consts, attrs)
-    opts = {"num_warps": 4}
-    if cfg.get("MAXNREG"):
-        opts["maxnreg"] = cfg["MAXNREG"]
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
+    return compile_sm90(fn, sig, consts, div16, cfg.get("MAXNREG"))
 
 
 def sass_stats(cubin: bytes) -> str:

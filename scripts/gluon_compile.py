@@ -51,16 +51,19 @@ def compile_variant(cfg: dict, has_tgt=True, dtype="bf16"):
                   PRODUCER_REGS=cfg["PRODUCER_REGS"])
     if persistent:
         consts.update(DYNAMIC=cfg["DYNAMIC"])
-    for k in consts:
-        sig[k] = "constexpr"
-    # what the JIT would specialise: 16-byte aligned pointers, row stride a multiple of 16
-    div16 = ("O", "SEQ_OFFSETS", "NUM_TARGETS", "stride_om", "H", "ROWS", "MAX_N")
+    return compile_sm90(fn, sig, consts, ("O", "SEQ_OFFSETS", "NUM_TARGETS", "stride_om", "H", "ROWS", "MAX_N"),
+                        cfg.get("MAXNREG"))
+
+
+def compile_sm90(fn, sig: dict, consts: dict, div16, maxnreg=None):
+    """``fn`` compiled for sm90 (4 warps) with the argument types ``sig`` and the constexprs ``consts``; the
+    arguments named in ``div16`` are specialised as the JIT would (16-byte aligned pointers, multiples of 16)."""
+    sig = dict(sig, **{k: "constexpr" for k in consts})
+    assert sorted(sig) == sorted(fn.arg_names), (sorted(sig), sorted(fn.arg_names))
+    sig = {a: sig[a] for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
-    src = GluonASTSource(fn, sig, consts, attrs)
-    opts = {"num_warps": 4}
-    if cfg.get("MAXNREG"):
-        opts["maxnreg"] = cfg["MAXNREG"]
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
+    opts = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 128), options=opts)
 
 
 def ptxas_report(ptx: str) -> str:
