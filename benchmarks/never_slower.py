@@ -103,7 +103,8 @@ def run(args):
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "never_slower.csv")
-    fields = ["task", "mode", "provider", "B", "N", "ms", "rewrites", "cudagraph_skips", "compile_s", "note"]
+    fields = ["task", "mode", "provider", "B", "N", "ms", "rewrites", "cost_rule", "cudagraph_skips", "compile_s",
+              "note"]
     skips = _SkipLog()
     f = open(path, "w", newline="")
     w = csv.DictWriter(f, fieldnames=fields)
@@ -131,7 +132,7 @@ def run(args):
                             model = torch.compile(layer, **kw) if prov == "inductor" else \
                                 torch.compile(layer, backend="hstu", **kw)
                         row = dict(task=task, mode=mode, provider=prov, B=B, N=N, ms=float("nan"), rewrites="",
-                                   cudagraph_skips="", compile_s=float("nan"), note="")
+                                   cost_rule="", cudagraph_skips="", compile_s=float("nan"), note="")
                         skips.messages.clear()
                         try:
                             x, off, nt = make_batch(B, N, args.embedding, seed=B * 7919 + N)
@@ -149,6 +150,7 @@ def run(args):
                                 c = report.counts
                                 row["rewrites"] = "/".join(str(c.get(k, 0)) for k in ("preprocess", "attention",
                                                                                       "output"))
+                                row["cost_rule"] = "; ".join(report.cost_rule)[:200]
                             row["cudagraph_skips"] = "; ".join(sorted(set(skips.messages)))[:300]
                             row["ms"] = timed(fn, args.iters, mode == "reduce-overhead")
                         except torch.OutOfMemoryError:

@@ -128,7 +128,8 @@ def train(args):
     if n_attn:
         print(f"attention with rab: {n_attn} of {args.layers} layers rewritten")
     else:  # what explain() says, nothing more: its near misses give the reason
-        why = "; ".join(reason for kind, reason in report.near_misses if kind == "attention") or "no candidate found"
+        why = ("; ".join(reason for kind, reason in report.near_misses if kind == "attention")
+               or "; ".join(report.cost_rule) or "no candidate found")
         print(f"attention with rab: not rewritten, left to stock Inductor ({why})")
 
     torch._dynamo.reset()

@@ -26,7 +26,7 @@ import threading
 import torch
 import torch._inductor.custom_graph_pass
 
-from . import _compat, config
+from . import _compat, config, cost_rule
 
 log = logging.getLogger("hstu_inductor")
 
@@ -37,7 +37,9 @@ def hstu_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = No
     """Dynamo backend entry: ``fn(gm, example_inputs, **kw)``; accepts ``mode=`` and ``options=``."""
     patches = {**_compat.mode_options(mode), **(options or {})}
     patches["post_grad_custom_post_pass"] = _with_audit(patches.get("post_grad_custom_post_pass"))
-    return _compile(gm, lambda g: _compat.compile_fx(g, example_inputs, patches))
+    cudagraphs = bool(patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs))
+    return _compile(gm, lambda g: _compat.compile_fx(g, example_inputs, patches),
+                    cost=lambda g: cost_rule.decide(g, example_inputs, cudagraphs))
 
 
 def hstu_eager_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
@@ -53,11 +55,13 @@ def hstu_eager_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
     return _compile(gm, lambda g: _compat.aot_eager(g, example_inputs))
 
 
-def _compile(gm: torch.fx.GraphModule, compile_rewritten):
+def _compile(gm: torch.fx.GraphModule, compile_rewritten, cost=None):
     """Rewrite ``gm`` and compile the result, as one staged report (``report.staged``): when Dynamo
     abandons the compile by raising through it (it restarts the frame's analysis, e.g. under
     ``dynamic=True`` once a float input got specialised, and calls the backend again), nothing of it
-    is counted; the redo is. Then warn about graph breaks seen to split an HSTU candidate."""
+    is counted; the redo is. ``cost``: the cost rule (``cost_rule.decide``), which may keep ``gm``
+    as it is, or compile both and pick per call. Then warn about graph breaks seen to split an HSTU
+    candidate."""
     from . import graph_breaks
     from .report import staged
 
@@ -66,7 +70,19 @@ def _compile(gm: torch.fx.GraphModule, compile_rewritten):
         rewritten = _rewritten(gm)
         if not getattr(_state, "ddp_pieces", False):  # a DDP piece: recorded whole, before the split
             graph_breaks.record_graph(gm, stage)
-        compiled = compile_rewritten(rewritten)
+        decision = cost(rewritten) if cost is not None and rewritten is not gm else None
+        if decision is None or decision.choice == "hstu":
+            compiled = compile_rewritten(rewritten)
+        elif decision.choice == "inductor":
+            found = ", ".join(f"{k} {n}" for k, n in stage.counts.items() if n)
+            stage.counts = dict.fromkeys(stage.counts, 0)
+            compiled = compile_rewritten(gm)
+            decision_text = f"{decision.describe()} (found: {found})"
+        else:
+            compiled = cost_rule.SizeDispatch(decision, compile_rewritten(gm), compile_rewritten(rewritten))
+        if decision is not None:
+            stage.cost_rule.append(decision_text if decision.choice == "inductor" else decision.describe())
+            log.info("hstu_inductor: cost rule: %s", stage.cost_rule[-1])
     graph_breaks.warn_splits(stage.records)
     return compiled
 

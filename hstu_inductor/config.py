@@ -68,11 +68,21 @@ capture_dynamic_shape_ops: bool = os.environ.get("HSTU_INDUCTOR_CAPTURE_DYNAMIC_
 #: (benchmarks/RESULTS.md, session 9). Turn it on where the N x N bias does not fit.
 rab_tables: bool = os.environ.get("HSTU_INDUCTOR_RAB_TABLES", "0") == "1"
 
+#: The cost rule (cost_rule.py): "auto" keeps stock Inductor's code for graphs too small for the rewrites to pay
+#: for their host time (CUDA, without CUDA graphs; per call under dynamic shapes), "off" always rewrites.
+cost_rule: str = os.environ.get("HSTU_INDUCTOR_COST_RULE", "auto")
+
+#: The cost rule's thresholds: an attention's ``B * H * max_seq_len**2`` (score elements per call) from which the
+#: rewrites run, for inference and for training graphs. Measured on an H100 host with one STU layer (E=512,
+#: H=4, D=128, bf16; benchmarks/RESULTS.md, session 12): the rewrites lost at 16.8M and won at 33.6M in
+#: inference, lost at 67M and won at 134M in training. Hosts with faster single-thread Python lower both.
+cost_rule_min_work: dict = {"infer": 24e6, "train": 96e6}
+
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"
 
 _VALID = {"tma": ("auto", "on", "off"), "kernels": ("auto", "off"), "gluon": ("auto", "off"), "block_backward": ("save", "recompute"),
-          "check_inputs": ("auto", "always", "off")}
+          "check_inputs": ("auto", "always", "off"), "cost_rule": ("auto", "off")}
 
 
 def validate() -> None:
@@ -81,6 +91,10 @@ def validate() -> None:
     for name, allowed in _VALID.items():
         if g[name] not in allowed:
             raise ValueError(f"hstu_inductor.config.{name}={g[name]!r}; expected one of {allowed}")
+    if set(cost_rule_min_work) != {"infer", "train"} or not all(
+            isinstance(v, (int, float)) and v >= 0 for v in cost_rule_min_work.values()):
+        raise ValueError(f"hstu_inductor.config.cost_rule_min_work={cost_rule_min_work!r}; expected "
+                         "{'infer': number >= 0, 'train': number >= 0}")
     unknown = set(patterns) - {"attention", "preprocess", "output"}
     if unknown:
         raise ValueError(f"hstu_inductor.config.patterns has unknown kinds {sorted(unknown)}")
@@ -92,7 +106,7 @@ def snapshot() -> dict:
             "deterministic": deterministic,
             "block_backward": block_backward, "check_inputs": check_inputs, "strict": strict,
             "specialize_features": specialize_features, "capture_dynamic_shape_ops": capture_dynamic_shape_ops,
-            "rab_tables": rab_tables}
+            "rab_tables": rab_tables, "cost_rule": cost_rule, "cost_rule_min_work": dict(cost_rule_min_work)}
 
 
 @contextlib.contextmanager
@@ -104,7 +118,7 @@ def patch(**changes):
         for key, value in changes.items():
             if key not in old:
                 raise AttributeError(f"hstu_inductor.config has no option {key!r}")
-            g[key] = {**g[key], **value} if key == "patterns" else value
+            g[key] = {**g[key], **value} if key in ("patterns", "cost_rule_min_work") else value
         validate()
         yield
     finally:

@@ -45,6 +45,7 @@ class RewriteReport:
     details: list = dataclasses.field(default_factory=list)  # (kind, spelling/description) per rewrite
     lowered: dict = dataclasses.field(default_factory=dict)  # post-grad: how hstu ops reached Inductor
     graphs: int = 0
+    cost_rule: list = dataclasses.field(default_factory=list)  # one line per graph the cost rule decided
     graph_breaks: list = dataclasses.field(default_factory=list)  # GraphBreak, filled by explain()
     # one ``graph_breaks.GraphRecord`` per Dynamo graph compiled (where it starts/ends, what it holds)
     records: list = dataclasses.field(default_factory=list, repr=False)
@@ -59,6 +60,7 @@ class RewriteReport:
             lines += [f"    - {kind}: {reason}" for kind, reason in self.near_misses]
         else:
             lines.append("  near misses: none")
+        lines += [f"  cost rule: {what}" for what in self.cost_rule]
         if self.graph_breaks:
             lines.append(f"  graph breaks ({len(self.graph_breaks)}):")
             for b in self.graph_breaks:
@@ -81,6 +83,7 @@ class RewriteReport:
         for k, v in other.lowered.items():
             self.lowered[k] = self.lowered.get(k, 0) + v
         self.graphs += other.graphs
+        self.cost_rule += other.cost_rule
         self.graph_breaks += other.graph_breaks
         self.records += other.records
 

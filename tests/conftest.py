@@ -17,6 +17,9 @@ import sys
 # in-process compile thread generates and checks the same code. Must precede ``import torch``
 # (torch._inductor.config reads it once); an explicit setting in the environment wins.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The cost rule keeps stock Inductor's code for small CUDA graphs, i.e. for most GPU tests' sizes; they
+# test the rewrites, so the rule is off for them (tests/test_cost_rule.py turns it on where it is tested).
+os.environ.setdefault("HSTU_INDUCTOR_COST_RULE", "off")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

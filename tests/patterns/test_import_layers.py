@@ -15,7 +15,7 @@ ROOT = pathlib.Path(hstu_inductor.__file__).resolve().parent
 PKG = ROOT.name
 
 FLOORS = {"_compat": 0, "config": 0, "report": 0, "reference": 1, "kernels": 2, "patterns": 2, "ops": 3,
-          "lowerings": 4, "backend": 5, "graph_breaks": 5, "explain": 6, "export": 6, "testing": 6, "": 7}
+          "lowerings": 4, "backend": 5, "cost_rule": 5, "graph_breaks": 5, "explain": 6, "export": 6, "testing": 6, "": 7}
 
 
 def _modules() -> dict:
