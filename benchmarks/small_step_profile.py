@@ -25,22 +25,25 @@ def main():
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--train", action="store_true")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--providers", nargs="+", default=["inductor", "hstu"],
+                    help="inductor, hstu, or hstu_attention / hstu_blocks (only those rewrites; never_slower.PROVIDERS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import hstu_inductor  # noqa: F401  (registers the backend)
+    import hstu_inductor  # registers the backend
     from hstu_inductor.reference import STULayer
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from never_slower import make_batch
+    from never_slower import PROVIDERS, make_batch
 
     torch.manual_seed(0)
     layer = STULayer(512, 4, 128, 128).to("cuda", torch.bfloat16).train(args.train)
     x, off, nt = make_batch(args.batch, args.n, 512, seed=1)
     dout = torch.randn_like(x)
     report = []
-    for name in ("inductor", "hstu"):
+    for name in args.providers:
         torch._dynamo.reset()
         model = torch.compile(layer, dynamic=False) if name == "inductor" else \
             torch.compile(layer, backend="hstu", dynamic=False)
+        patterns = PROVIDERS[name] or {}
 
         def step():
             xx = x.detach().requires_grad_(args.train)
@@ -49,8 +52,9 @@ def main():
                 if args.train:
                     torch.autograd.grad(out, (xx, *layer.parameters()), dout)
 
-        for _ in range(3):
-            step()
+        with hstu_inductor.config.patch(patterns=patterns):
+            for _ in range(3):
+                step()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                                 torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -61,11 +65,27 @@ def main():
         head = f"== {name}: B={args.batch} N={args.n} {'train' if args.train else 'infer'}, {args.steps} steps"
         print(head)
         print(table)
-        report.append(head + "\n" + table)
+        kernels = _kernel_lines(prof, args.steps)
+        print(kernels)
+        report.append(head + "\n" + table + "\n" + kernels)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "small_step_profile.txt"), "w") as f:
             f.write("\n".join(report))
+
+
+def _kernel_lines(prof, steps) -> str:
+    """Every GPU kernel (self device time > 0), µs per step and launches per step, longest first, and the sum."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append((t / steps, e.count / steps, e.key))
+    rows.sort(reverse=True)
+    lines = [f"  {us:9.1f} us  x{n:4.1f}  {name[:110]}" for us, n, name in rows]
+    return "kernels per step:\n" + "\n".join(lines) + f"\n  {sum(r[0] for r in rows):9.1f} us  total"
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-PROVIDERS = ["eager", "inductor", "hstu", "hstu_save", "hstu_recompute", "gr_fused"]
+PROVIDERS = ["eager", "inductor", "hstu", "hstu_save", "hstu_recompute", "hstu_attention", "hstu_blocks", "gr_fused"]
 DEFAULT_PROVIDERS = ["eager", "inductor", "hstu", "gr_fused"]
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak (SXM)
 
@@ -70,13 +70,17 @@ def peak_flops():
 
 def provider_options(provider):
     """``hstu_save`` / ``hstu_recompute``: ``backend="hstu"`` with that preprocess backward (the plain
-    ``hstu`` provider uses the default). Active for the provider's whole run (compiles are lazy)."""
+    ``hstu`` provider uses the default); ``hstu_attention`` / ``hstu_blocks``: only those rewrites. Active
+    for the provider's whole run (compiles are lazy)."""
     import contextlib
 
-    if provider in ("hstu_save", "hstu_recompute"):
-        import hstu_inductor
+    import hstu_inductor
 
+    if provider in ("hstu_save", "hstu_recompute"):
         return hstu_inductor.config.patch(block_backward=provider.split("_")[1])
+    if provider in ("hstu_attention", "hstu_blocks"):  # only the attention, or only the blocks, rewritten
+        blocks = provider == "hstu_blocks"
+        return hstu_inductor.config.patch(patterns={"attention": not blocks, "preprocess": blocks, "output": blocks})
     return contextlib.nullcontext()
 
 

@@ -70,7 +70,7 @@ def _compile(gm: torch.fx.GraphModule, compile_rewritten, cost=None):
         rewritten = _rewritten(gm)
         if not getattr(_state, "ddp_pieces", False):  # a DDP piece: recorded whole, before the split
             graph_breaks.record_graph(gm, stage)
-        decision = cost(rewritten) if cost is not None and rewritten is not gm else None
+        decision = _decide(cost, rewritten) if cost is not None and rewritten is not gm else None
         if decision is None or decision.choice == "hstu":
             compiled = compile_rewritten(rewritten)
         elif decision.choice == "inductor":
@@ -85,6 +85,17 @@ def _compile(gm: torch.fx.GraphModule, compile_rewritten, cost=None):
             log.info("hstu_inductor: cost rule: %s", stage.cost_rule[-1])
     graph_breaks.warn_splits(stage.records)
     return compiled
+
+
+def _decide(cost, rewritten):
+    """The cost rule's decision; a failure of the rule keeps the rewrite (raises under ``config.strict``)."""
+    try:
+        return cost(rewritten)
+    except Exception:
+        if config.strict:
+            raise
+        log.exception("hstu_inductor: cost rule failed; the graph stays rewritten")
+        return None
 
 
 def _rewritten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -49,18 +49,20 @@ class Decision:
     threshold: float
     work: object  # int, or a sympy expression in the graph's size symbols
     per_call: Optional[Callable] = None  # args -> work, for "runtime"
+    bound: float = 0.0  # a symbolic work's least value (shape ranges)
 
     def describe(self) -> str:
         rule = f"B*H*N^2 {'<' if self.choice == 'inductor' else '>='} {self.threshold:.3g}"
         where = f"{self.phase}, no CUDA graphs"
+        work = f"{int(self.work):,}" if isinstance(self.work, int) else f"{self.work}, at least {self.bound:,.0f}"
         if self.choice == "runtime":
             return (f"per call: B*H*N^2 = {self.work} score elements per attention; calls below "
                     f"{self.threshold:.3g} run stock Inductor's code, the others the rewrites ({where})")
         if self.choice == "inductor":
-            return (f"kept stock Inductor's code: {rule} (work {int(self.work):,}; {where}), where the host time "
+            return (f"kept stock Inductor's code: {rule} (work {work}; {where}), where the host time "
                     "of the hstu ops exceeds what their kernels save; hstu_inductor.config.cost_rule='off' "
                     "rewrites anyway")
-        return f"rewritten: {rule} (work {int(self.work):,}; {where})"
+        return f"rewritten: {rule} (work {work}; {where})"
 
 
 def decide(rewritten: torch.fx.GraphModule, example_inputs, cudagraphs: bool) -> Optional[Decision]:
@@ -81,7 +83,7 @@ def decide(rewritten: torch.fx.GraphModule, example_inputs, cudagraphs: bool) ->
         return Decision("hstu" if int(work) >= threshold else "inductor", phase, threshold, int(work))
     lower = _lower_bound(work, example_inputs)
     if lower is not None and lower >= threshold:
-        return Decision("hstu", phase, threshold, work)
+        return Decision("hstu", phase, threshold, work, bound=lower)
     per_call = _evaluator(work, example_inputs)
     if per_call is None:
         log.info("hstu_inductor: cost rule: work %s not computable from the call's arguments; rewritten", work)

@@ -140,3 +140,21 @@ def test_config_validates_thresholds():
     with pytest.raises(ValueError, match="cost_rule"):
         with hstu_inductor.config.patch(cost_rule="sometimes"):
             pass
+
+
+def test_symbolic_work_bounded_above_threshold_compiles_once(cpu_rule):
+    # Dynamo assumes dynamic sizes >= 2: with N fixed, B*H*N^2 >= 2*H*N^2, so a threshold at that bound needs no
+    # per-call choice (this path once formatted the symbolic work as an int and failed the compile)
+    lengths, n = [5, 0, 7, 3], 7
+    layer = _layer()
+    x, off, nt = _batch(lengths, seed=4)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(off, 0)
+    torch._dynamo.mark_dynamic(nt, 0)
+    with hstu_inductor.config.patch(cost_rule_min_work={"infer": 2 * H * n * n}), torch.no_grad(), \
+            collecting() as report:
+        out = torch.compile(layer, backend="hstu")(x, off, n, nt)
+    assert rel_err(out, layer(x, off, n, nt)) < 1e-5
+    assert report.counts["attention"] == 1 and len(report.cost_rule) == 1, str(report)
+    assert report.cost_rule[0].startswith("rewritten") and f"at least {2 * H * n * n:,}" in report.cost_rule[0]
+    assert cpu_rule == []
