@@ -136,13 +136,15 @@ def test_named_plans_equal_reference(monkeypatch):
 @pytest.mark.parametrize("shape", ["m16", "m16qt", "m64t"])
 def test_rows_before_a_short_sequence_are_zero(shape, monkeypatch):
     """Sequences shorter than the delta rows (the op's checks forbid them, the kernel must not read before the
-    sequence): the rows before its start are zero, as in the full forward's row blocks, the rest equal."""
+    sequence): the rows before its start are zero, as in the full forward's row blocks, the rest equal. Dq = 24:
+    the masked columns of the Q load and of the K descriptor."""
     monkeypatch.setattr(common, "POISON_OUTPUTS", True)
     lengths = [2, 40, 5, 19]
-    N, H, Dq, Dv, D = 48, 2, 32, 16, 19
+    N, H, Dq, Dv, D = 48, 2, 24, 16, 19
     (dq, k, v), off = _batch(lengths, H, Dq, Dv, D, torch.float32, seed=5)
-    out = delta.delta_forward(dq, k, v, off, N, 0.3, plan=_SHAPES[shape], split=2)
-    want = K.delta_hstu_attention_fwd(dq, k, v, off, N, 0.3, tma=False)
+    # contextual: positions < 0 have id 0, as contextual rows (the element mask's i >= 0 keeps them out too)
+    out = delta.delta_forward(dq, k, v, off, N, 0.3, plan=_SHAPES[shape], split=2, contextual_seq_len=3)
+    want = K.delta_hstu_attention_fwd(dq, k, v, off, N, 0.3, contextual_seq_len=3, tma=False)
     rows = out.view(len(lengths), D, H, Dv)
     assert not rows[0, :D - 2].any() and not rows[2, :D - 5].any() and rows[1].abs().sum() > 0
     assert rel_err(out, want) < 1e-5
