@@ -5,21 +5,28 @@ Providers, one process, same inputs (B sequences of lengths U[0.9N, N), H heads,
                   across programs for D <= 64 where the row blocks leave the GPU idle, the partials folded
                   in the same launch; kernels/delta.py); ``ours_rowblk``: the full forward's row blocks, one
                   program per (sequence, head, row block), as before issue 22;
-  * ``s9``        session 9's plan: config (64, 3, 8), its split rule (~4 programs per SM), the partials summed
-                  by a second launch; ``s9_fold``: the same plan folded in one launch (bitwise equal to
+  * ``s9``        (``--s9``) session 9's plan: config (64, 3, 8), its split rule (~4 programs per SM), the partials
+                  summed by a second launch; ``s9_fold``: the same plan folded in one launch (bitwise equal to
                   ``s9``: checked); ``s9_fold_fresh`` (``--fresh``): with a zeroed counter buffer per call
                   (one memset, what traced and captured launches get);
   * ``cK`` / ``sS``  kernels/delta.py with its config K (``--configs``) / with split S (``--splits``);
+  * ``NAME``      kernels/delta.py with the plan ``delta_plans.CANDIDATES[NAME]`` (``--plans NAME ... | all``), at
+                  the rows its row block suits (half to all of the rows rounded up to a power of two, >= 16);
   * ``dense``     what a model without a delta path does: the full forward over all L rows
                   (``kernels.hstu_attention_fwd``), of which only the last D rows per sequence are used;
   * ``gr_tma`` / ``gr``  generative-recommenders' ``triton_cached_hstu_mha`` (TMA on / off), imported
-                  like in ``attention.py`` from ``HSTU_ANCHOR_PATH`` (default ./.anchor) when present.
+                  like in ``attention.py`` from ``HSTU_ANCHOR_PATH`` (default ./.anchor) when present, at the
+                  rows of ``--gr-rows`` (default: all; its autotuner compiles ~29 configs per TMA mode, again for
+                  1 row, which Triton specialises).
+
+Rows are the outer loop (in the order given), so a run cut short loses the last rows at every N. The last
+lines are a summary: per (N, rows) the default, the fastest plan and GR's best, in ms.
 
 Every provider's delta rows are checked against the dense forward's rows (relative norm error), and
 against a second call of itself (``rep``: ``=`` when bitwise equal).
 FLOPs counted for the delta rows only: sum_b H * D * n_b * (Dq + Dv) * 2.
 
-    python benchmarks/delta_attention.py --n 1024 4096 --delta 1 16 128 [--fresh --configs 1 3 --splits 1 2 4]
+    python benchmarks/delta_attention.py --n 1024 4096 --delta 128 64 16 1 --plans all [--s9 --fresh --configs 1 3]
 """
 from __future__ import annotations
 
@@ -48,6 +55,22 @@ def _fresh(Kd, fn):
         Kd.CACHE_COUNTERS = True
 
 
+def _fits(plan, D):
+    """A plan is timed at D rows when its row block is half to all of D rounded up to a power of two (>= 16)."""
+    top = max(16, 1 << (D - 1).bit_length())
+    return top // 2 <= plan.block_m <= top
+
+
+def _inputs(N, B, H, Dm, device):
+    g = torch.Generator().manual_seed(N)
+    lengths = torch.randint(int(0.9 * N), N, (B,), generator=g)
+    off = torch.zeros(B + 1, dtype=torch.int64)
+    off[1:] = lengths.cumsum(0)
+    L = int(off[-1])
+    q, k, v = (torch.randn(L, H, Dm, generator=g).to(device, torch.bfloat16) for _ in range(3))
+    return lengths, off.to(device), q, k, v
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
@@ -58,12 +81,17 @@ def main():
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--configs", type=int, nargs="*", default=[], help="also time kernels/delta.py's configs")
     ap.add_argument("--splits", type=int, nargs="*", default=[], help="also time these splits (default config)")
-    ap.add_argument("--fresh", action="store_true", help="also time s9_fold with a zeroed counter buffer per call")
+    ap.add_argument("--plans", nargs="*", default=[], help="also time these delta_plans.CANDIDATES ('all': every one)")
+    ap.add_argument("--gr-rows", type=int, nargs="*", default=None, help="rows at which GR runs (default: all)")
+    ap.add_argument("--s9", action="store_true", help="also time session 9's plan (two launches and folded)")
+    ap.add_argument("--fresh", action="store_true", help="with --s9: s9_fold with a zeroed counter buffer per call")
     args = ap.parse_args()
 
     from hstu_inductor.kernels import attention as K
     from hstu_inductor.kernels import delta as Kd
+    from hstu_inductor.kernels import delta_plans as P
 
+    plans = {name: P.CANDIDATES[name] for name in (P.CANDIDATES if args.plans == ["all"] else args.plans)}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     B, H, Dm = args.batch, args.heads, args.dim
     alpha = 1.0 / Dm
@@ -73,18 +101,16 @@ def main():
         gr = None
         print("anchor not found (HSTU_ANCHOR_PATH): gr providers skipped")
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}  B={B} H={H} D={Dm} bf16")
-    print(f"{'N':>5} {'D':>4} {'provider':13s} {'ms':>9} {'TFLOP/s':>8} {'x dense':>8}  rel_err  rep")
-    for N in args.n:
-        g = torch.Generator().manual_seed(N)
-        lengths = torch.randint(int(0.9 * N), N, (B,), generator=g)
-        off = torch.zeros(B + 1, dtype=torch.int64)
-        off[1:] = lengths.cumsum(0)
-        L = int(off[-1])
-        q, k, v = (torch.randn(L, H, Dm, generator=g).to(device, torch.bfloat16) for _ in range(3))
-        off = off.to(device)
-        dense = K.hstu_attention_fwd(q, k, v, off, N, alpha)
-        t_dense = bench(lambda: K.hstu_attention_fwd(q, k, v, off, N, alpha), args.rep)
-        for D in args.delta:
+    print(f"{'N':>5} {'D':>4} {'provider':18s} {'ms':>9} {'TFLOP/s':>8} {'x dense':>8}  rel_err  rep")
+    data, summary = {}, []
+    for D in args.delta:
+        for N in args.n:
+            if N not in data:  # inputs and the dense forward once per N
+                lengths, off, q, k, v = _inputs(N, B, H, Dm, device)
+                dense = K.hstu_attention_fwd(q, k, v, off, N, alpha)
+                data[N] = (lengths, off, q, k, v, dense, bench(lambda: K.hstu_attention_fwd(q, k, v, off, N, alpha),
+                                                             args.rep))
+            lengths, off, q, k, v, dense, t_dense = data[N]
             if D > int(lengths.min()):
                 continue
             # the last D rows of every sequence, [B*D, H, Dq]
@@ -95,22 +121,25 @@ def main():
             runs = {"ours": lambda: Kd.delta_attention_fwd(dq, k, v, off, N, alpha),
                     # before issue 22: the full forward's row blocks, one program per (sequence, head)
                     "ours_rowblk": lambda: K._fwd(dq, k, v, off, N, alpha, None, None, 0, 0, 0, True, D, None)}
-            if D <= Kd.max_delta_rows():
-                s9 = dict(config=Kd._CONFIGS[1], split=_s9_split(B * H * -(-D // Kd._block_m(D)), N, device))
+            base = P.default_plan(D) or P.default_plan(P.max_rows())
+            if args.s9 and D <= Kd.max_delta_rows():
+                s9 = dict(config=Kd._CONFIGS[1], split=_s9_split(B * H * -(-D // base.block_m), N, device))
                 runs["s9"] = lambda: Kd.delta_forward(dq, k, v, off, N, alpha, fold=False, **s9)
                 runs["s9_fold"] = lambda: Kd.delta_forward(dq, k, v, off, N, alpha, **s9)
                 if args.fresh:
                     runs["s9_fold_fresh"] = lambda: _fresh(Kd, lambda: Kd.delta_forward(dq, k, v, off, N, alpha, **s9))
-                for cfg in args.configs:
-                    runs[f"c{cfg}"] = (lambda cfg=cfg: Kd.delta_forward(dq, k, v, off, N, alpha,
-                                                                        config=Kd._CONFIGS[cfg]))
-                for split in args.splits:
-                    runs[f"s{split}"] = lambda split=split: Kd.delta_forward(dq, k, v, off, N, alpha, split=split)
-            if gr is not None:
+            for cfg in args.configs:
+                runs[f"c{cfg}"] = lambda cfg=cfg: Kd.delta_forward(dq, k, v, off, N, alpha, config=Kd._CONFIGS[cfg])
+            for split in args.splits:
+                runs[f"s{split}"] = lambda split=split: Kd.delta_forward(dq, k, v, off, N, alpha, split=split)
+            for name, plan in plans.items():
+                if _fits(plan, D):
+                    runs[name] = lambda plan=plan: Kd.delta_forward(dq, k, v, off, N, alpha, plan=plan)
+            if gr is not None and (args.gr_rows is None or D in args.gr_rows):
                 for name, tma in (("gr_tma", True), ("gr", False)):
                     runs[name] = (lambda tma=tma: gr.triton_cached_hstu_mha(N, alpha, dq, k, v, off, None, 0, 0, tma))
             runs["dense"] = None
-            outs = {}
+            outs, times = {}, {}
             for name, fn in runs.items():
                 rep = ""
                 if fn is None:
@@ -122,13 +151,22 @@ def main():
                         rep = "=" if torch.equal(out, fn()) else "DIFF"
                         ms = bench(fn, args.rep)
                     except Exception as e:  # an anchor without this entry point / config
-                        print(f"{N:5d} {D:4d} {name:13s} n/a: {type(e).__name__}: {str(e)[:100]}")
+                        print(f"{N:5d} {D:4d} {name:18s} n/a: {type(e).__name__}: {str(e)[:100]}")
                         continue
-                print(f"{N:5d} {D:4d} {name:13s} {ms:9.4f} {flops / (ms * 1e-3) / 1e12:8.1f} "
+                    if err < 2e-2:  # the summary ranks right answers only
+                        times[name] = ms
+                print(f"{N:5d} {D:4d} {name:18s} {ms:9.4f} {flops / (ms * 1e-3) / 1e12:8.1f} "
                       f"{t_dense / ms:8.1f}  {err:.2e} {rep}", flush=True)
             if "s9" in outs and not torch.equal(outs["s9"], outs["s9_fold"]):
                 print(f"{N:5d} {D:4d} s9_fold differs from s9 bitwise", flush=True)
-
+            summary.append((N, D, times))
+    print("\nsummary, ms (x: best GR's time over this one; > 1 is faster than GR)")
+    for N, D, times in sorted(summary):
+        gr_best = min((times[n] for n in ("gr", "gr_tma") if n in times), default=None)
+        ranked = sorted((t, n) for n, t in times.items() if n in plans or n == "ours_rowblk")[:3]
+        ranked = ([(times["ours"], "ours")] if "ours" in times else []) + ranked  # the default, then the best 3
+        cols = [f"{n} {t:.4f}" + (f" {gr_best / t:.2f}x" if gr_best else "") for t, n in ranked]
+        print(f"N={N:5d} rows={D:4d}  gr {gr_best or 0:.4f} | " + " | ".join(cols), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,13 +1,14 @@
 """Registers, shared memory and programs per SM of the cached-attention kernel (kernels/delta.py) for sm90,
-compiled on a GPU-less machine, per config and row block: the numbers behind ``delta._per_sm``.
+compiled on a GPU-less machine, per config and row block: the numbers behind ``delta_plans``' ``per_sm``.
 
-    .venv/bin/python scripts/delta_occupancy.py [--ptx FILE]
+    .venv/bin/python scripts/delta_occupancy.py [--ptx FILE | --candidates]
 
 The launch is specialised as the runtime specialises it at N=1024, B=128, H=4, Dq=Dv=128: pointers and
 integers divisible by 16 carry ``tt.divisibility`` (without it Triton does not pipeline the K/V loads through
 shared memory, and the registers differ: (64, 3, 8) at 16 rows compiles to 233 registers and 22 KB instead of
 80 and 71.7 KB, the figures ncu reported on the H100), and integers equal to 1 are constants. ``--ptx FILE``
-writes the PTX of the default 16-bit config with the one-launch fold (its barriers and atomic can be read).
+writes the PTX of the default 16-bit config with the one-launch fold (its barriers and atomic can be read);
+``--candidates``: the named plans of ``delta_plans.CANDIDATES`` at 128 rows.
 """
 from __future__ import annotations
 
@@ -26,14 +27,16 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from hstu_inductor.kernels import delta as Kd  # noqa: E402
+from hstu_inductor.kernels import delta_plans as P  # noqa: E402
 
 REGS, SMEM, MAX_WARPS = 65536, 227 * 1024, 64  # per SM on sm90 (227 KB usable by blocks)
 
 
-def compile_delta(config, rows, dtype="bf16", split=2):
-    """The kernel as launched with ``split`` programs per row block (1: no partials; more: the fold)."""
-    block_n, stages, warps = config
-    block_m = Kd._block_m(rows)
+def compile_delta(plan, rows, dtype="bf16", split=2):
+    """The kernel as launched with ``plan`` (a ``delta_plans.Plan``, or (BLOCK_N, stages, warps) with the row
+    block of ``PLANS``) and ``split`` programs per row block (1: no partials; more: the fold)."""
+    if not isinstance(plan, P.Plan):
+        plan = P.default_plan(rows)._replace(block_n=plan[0], stages=plan[1], warps=plan[2])
     ints = dict(stride_qm=512, stride_qh=128, stride_km=512, stride_kh=128, stride_vm=512, stride_vh=128,
                 stride_om=512, stride_oh=128, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_sm=0,
                 H=4, DQ=128, DV=128, ROWS=124417, MAX_N=1024, DELTA_ROWS=rows, CTX=0, WINDOW=0, SPLIT=split,
@@ -42,7 +45,7 @@ def compile_delta(config, rows, dtype="bf16", split=2):
     consts = dict(NUM_TARGETS=None, ATTN_SCALE=None, CAUSAL=True, HAS_TGT=False, HAS_CTX=False, HAS_WINDOW=False,
                   SCALE_MODE=0, PARTIAL=split > 1, FOLD=split > 1, FAST=0 if dtype == "fp32" else 1,
                   PREC="tf32x3" if dtype == "fp32" else "tf32", EVEN_DQ=True, EVEN_DV=True, BLOCK_DQ=128,
-                  BLOCK_DV=128, BLOCK_M=block_m, BLOCK_N=block_n)
+                  BLOCK_DV=128, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, TMA=plan.tma, Q_SMEM=plan.qsmem)
     sig, attrs = {}, {}
     for i, name in enumerate(Kd._hstu_delta_kernel.arg_names):
         if name in consts or ints.get(name) == 1:
@@ -57,7 +60,10 @@ def compile_delta(config, rows, dtype="bf16", split=2):
             if ints[name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(Kd._hstu_delta_kernel, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    opts = dict(num_warps=plan.warps, num_stages=plan.stages)
+    if plan.maxnreg:
+        opts["maxnreg"] = plan.maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def usage(kernel, warps):
@@ -81,6 +87,12 @@ def main():
             f.write(compile_delta(Kd._CONFIGS[3], 1, split=2).asm["ptx"])
         return
     print("registers / spilled bytes / shared bytes / programs per SM, for split 1 and split 2 (the fold)")
+    if sys.argv[1:2] == ["--candidates"]:  # delta_plans.CANDIDATES at 128 rows (what per_sm records)
+        for name, plan in P.CANDIDATES.items():
+            cols = ["%3d / %3d / %6d / %d" % usage(compile_delta(plan, 128, "bf16", split), plan.warps)
+                    for split in (1, 2)]
+            print(f"bf16  128 rows {name:18s} {cols[0]:24s} {cols[1]}", flush=True)
+        return
     for dtype, configs in (("bf16", Kd._CONFIGS), ("fp32", [(32, 3, 8), (32, 3, 4), (32, 2, 4)])):
         for rows in (1, 16, 32, 64):
             for config in configs:

@@ -1,6 +1,6 @@
-"""Cached (delta) attention for few new rows per sequence: the key range split across programs.
+"""Cached (delta) attention for up to ~128 new rows per sequence: row blocks, the key range split across programs.
 
-With D <= 64 new rows per sequence, the work of one (sequence, head) is one narrow row block that
+With few new rows per sequence, the work of one (sequence, head) is one narrow row block that
 streams the whole K/V cache: B * H programs, each reading ~n * (Dq + Dv) * 2 bytes. When these row
 blocks leave program slots of the GPU empty, each is split into ``S`` programs over disjoint key ranges
 (:func:`choose_split`: as many as one wave holds, so a split never adds a wave). HSTU has no softmax: the
@@ -8,8 +8,8 @@ output is a plain sum over keys, so the partial outputs add exactly, without a r
 program writes its scaled fp32 partial ``[S, rows, H, Dv]``; the last of the ``S`` programs to finish (an
 atomic counter per row block) sums them in the fixed order s = 0, 1, ... and writes the output. One
 launch, and bitwise repeatable: the order does not depend on which program finishes last. ``S = 1``
-stores straight into the output. Row blocks are the delta rows rounded up to 16-64. (At 128 rows the
-full forward's row blocks were faster on the H100: 0.129 against 0.183 ms at N=1024, B=128.)
+stores straight into the output. Row block, key tile, pipeline and load path are a plan's
+(``delta_plans.PLANS``, one table by rows; where it names none, the full forward's row blocks run).
 
 Why (issue 22 item 4). On the H100 (N=1024, B=128, H=4, 1 row, bf16) the split kernel of session 9 (split
 2, config (64, 3, 8)) ran as long as GR's kernel in ncu (92.4 us, 84 % of DRAM bandwidth), but do_bench gave
@@ -32,6 +32,14 @@ plan (split 2, (64, 3, 8)) saves the sum kernel (~4-5 us) but drops to 2 program
 Bandwidth: K+V is 254 MB, so 0.101 ms is 2.5 TB/s, 75 % of 3.35 TB/s in do_bench time; the kernels' own
 DRAM throughput in ncu was 84-86 %. Reaching 85 % in do_bench time needs faster loads, not fewer launches.
 
+17-128 rows (issue 22 item 4: 0.89-0.97x GR at 64 and 128 rows, session 11). At 128 rows one (sequence, head)
+needs ~2 MFLOP of wgmma and 4096 MUFU tanh per 16 KB K/V tile, about the time the tile takes to arrive at an
+SM's share of HBM bandwidth: the kernel is no longer bound by bytes alone, and overlapping one program's
+silu with another's wgmma (several programs per SM) decides. Two switches cut registers so more fit:
+``Q_SMEM`` (rows before a sequence's start masked in the load, not by ``tl.where``: q then feeds wgmma from
+shared memory; 162 -> 148 registers at 64 rows) and ``TMA`` (K/V by device-side descriptors: no per-thread
+addresses; 120 registers). Candidates and their occupancy: ``delta_plans.CANDIDATES``; prediction: GPU_TODO.md.
+
 The key ranges, the element-wise mask and the silu are the full forward's own jit helpers, so every
 mask option of cached attention means the same here.
 """
@@ -45,9 +53,10 @@ import triton
 import triton.language as tl
 
 from . import attention as A
+from . import delta_plans as P
 # jit helpers by name: Inductor re-emits a user kernel's source with the functions it names, not module aliases
 # ("NameError: A is not defined" when a compiled graph launched this kernel on the H100)
-from .attention import _bias_operands, _fwd_inner, _fwd_key_range, _id_end, _ids, _load_rows, _seq_bounds
+from .attention import _bias_operands, _fwd_inner, _fwd_key_range, _id_end, _ids, _load_rows, _rows, _seq_bounds
 from .. import _compat
 from .common import address_source, interpret, launcher, new_tensor
 
@@ -62,7 +71,7 @@ _CONFIGS = [(32, 4, 8), (64, 3, 8), (64, 2, 8), (32, 3, 4), (128, 2, 8)]
 
 def max_delta_rows() -> int:
     """Delta rows per sequence up to which this kernel is used (beyond: the full forward's row blocks)."""
-    return 64
+    return P.max_rows()
 
 
 @triton.jit
@@ -75,7 +84,7 @@ def _hstu_delta_kernel(
     CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SCALE_MODE: tl.constexpr, PARTIAL: tl.constexpr, FOLD: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
     EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, Q_SMEM: tl.constexpr,
 ):
     alpha, scale_const = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32)  # fp64 under Inductor
     # program order: split fastest, then row block, then (sequence, head)
@@ -97,10 +106,18 @@ def _hstu_delta_kernel(
     pi_m = _ids(pos_m, CTX, M, HAS_CTX, HAS_TGT)
 
     q_base = Q + q_row0 * stride_qm + h * stride_qh
-    q = _load_rows(q_base, r0, DELTA_ROWS, DQ, stride_qm, stride_qd, True, EVEN_DQ, False, BLOCK_M, BLOCK_DQ)
-    q = tl.where((pos_m >= 0)[:, None], q, tl.zeros_like(q))  # rows before a short sequence's start
-    K_src = K + start * stride_km + h * stride_kh
-    V_src = V + start * stride_vm + h * stride_vh
+    if Q_SMEM:
+        # rows before a short sequence's start masked in the load itself: q then feeds S = Q K^T from shared
+        # memory (a computed q is a register operand: 32 more registers per thread per 64 rows)
+        offs_dq = tl.arange(0, BLOCK_DQ)
+        q = tl.load(q_base + offs_r[:, None].to(tl.int64) * stride_qm + offs_dq[None, :] * stride_qd,
+                    mask=((offs_r < DELTA_ROWS) & (pos_m >= 0))[:, None] & (offs_dq < DQ)[None, :], other=0.0)
+    else:
+        q = _load_rows(q_base, r0, DELTA_ROWS, DQ, stride_qm, stride_qd, True, EVEN_DQ, False, BLOCK_M, BLOCK_DQ)
+        q = tl.where((pos_m >= 0)[:, None], q, tl.zeros_like(q))  # rows before a short sequence's start
+    # TMA: descriptors ending at row n (zero-filled past it), as in the full forward
+    K_src = _rows(K + start * stride_km + h * stride_kh, n, DQ, stride_km, BLOCK_N, BLOCK_DQ, TMA)
+    V_src = _rows(V + start * stride_vm + h * stride_vh, n, DV, stride_vm, BLOCK_N, BLOCK_DV, TMA)
     RB = _bias_operands(None, None, None, None, 0, MAX_N, b, h, start, 0, 0, 0, 0, None, None, False, False, False)
 
     m_first = tl.maximum(pos0 + r0, 0)
@@ -117,15 +134,15 @@ def _hstu_delta_kernel(
     # the full forward's three segments (masked, full, masked), each cut to [lo, hi)
     acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                        tl.maximum(a, lo), tl.minimum(fs, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
-                       pos_m, pos_m, pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, False, FAST, PREC,
+                       pos_m, pos_m, pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, TMA, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
     acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                        tl.maximum(fs, lo), tl.minimum(fe, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
-                       pos_m, pos_m, pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, False, FAST, PREC,
+                       pos_m, pos_m, pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, TMA, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
     acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
                        tl.maximum(fe, lo), tl.minimum(e, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
-                       pos_m, pos_m, pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, False, FAST, PREC,
+                       pos_m, pos_m, pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, TMA, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
 
     if SCALE_MODE == 0:
@@ -187,22 +204,11 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _per_sm(block_m: int, dtype) -> int:
-    """Programs of the default config one SM holds at once, by row block, when split (sm90, Dq = Dv = 128,
-    ``scripts/delta_occupancy.py``): 16-bit (32, 3, 4) 96 / 96 / 166 registers, 37 / 42 / 64 KB shared at
-    16 / 32 / 64 rows; fp32 (32, 3, 8) 170-255 registers, 84-160 KB. Other head dims: an estimate."""
-    return 1 if dtype == torch.float32 else {16: 5, 32: 5}.get(block_m, 3)
-
-
 def choose_split(programs: int, key_tiles: int, slots: int) -> int:
     """Key splits per row block: as many as the ``slots`` (programs the GPU holds at once) take in one wave,
     so that a split never adds a wave, each split keeping >= 4 key tiles so a program still pipelines its
     loads, at most 16. Enough row blocks for the slots: no split, and no partials to fold."""
     return max(1, min(slots // max(programs, 1), key_tiles // 4, 16))
-
-
-def _block_m(rows: int) -> int:
-    return max(16, A._pow2(rows))
 
 
 # (device, stream) -> int32 fold counters, zero between launches (the last program of a row block resets its
@@ -235,23 +241,50 @@ def _counters(n: int, device, *tensors) -> torch.Tensor:
 
 def delta_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
                         max_attn_len=0, contextual_seq_len=0, *, tma=None) -> torch.Tensor:
-    """Cached attention (``attention.delta_hstu_attention_fwd``'s contract): the key-range split for up to
-    :func:`max_delta_rows` rows per sequence, the full forward's row blocks beyond."""
+    """Cached attention (``attention.delta_hstu_attention_fwd``'s contract): this kernel with the plan that
+    ``delta_plans.PLANS`` gives the rows per sequence, the full forward's row blocks where it gives none."""
     B = seq_offsets.shape[0] - 1
     D = delta_q.shape[0] // B if B > 0 else 0
-    if B > 0 and 0 < D <= max_delta_rows() and D * B == delta_q.shape[0]:
-        return delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
-                             max_attn_len, contextual_seq_len)
+    if B > 0 and 0 < D and D * B == delta_q.shape[0]:
+        plan = P.default_plan(D, delta_q.dtype == torch.float32)
+        if plan is not None:
+            return delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
+                                 max_attn_len, contextual_seq_len, plan=plan, tma=tma)
     return A.delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
                                       max_attn_len, contextual_seq_len, tma=tma)
 
 
+def _plan_for(D, dtype, plan, config):
+    """``plan`` (default: ``PLANS``' for D rows, or its last plan beyond them), with ``config`` ((BLOCK_N, stages,
+    warps), or the ``HSTU_INDUCTOR_DELTA_CONFIG`` index into ``_CONFIGS``) replacing its tile and pipeline."""
+    fp32 = dtype == torch.float32
+    if plan is None:
+        plan = P.default_plan(D, fp32) or P.default_plan(P.max_rows(), fp32)
+    elif fp32:  # fp32 tiles are twice as wide: the fp32 pipeline, whatever the plan
+        plan = plan._replace(block_m=min(plan.block_m, P.FP32_MAX_BLOCK_M), **P.FP32)
+    pick = os.environ.get("HSTU_INDUCTOR_DELTA_CONFIG")
+    if config is None and pick is not None:
+        config = _CONFIGS[int(pick)]
+    if config is not None:
+        plan = plan._replace(block_n=config[0], stages=config[1], warps=config[2])
+    return plan
+
+
+def _use_tma(tma, plan, device, k, v) -> bool:
+    """K/V descriptors: ``tma`` True / False forces them on / off (the op's ``config.tma``), None leaves it to
+    the plan, where the device and the layout allow."""
+    if tma is None and not plan.tma:
+        return False
+    return A._use_tma(tma, device, (k, v))
+
+
 def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
-                  max_attn_len=0, contextual_seq_len=0, *, split=None, config=None, fold=True) -> torch.Tensor:
-    """Cached attention (:func:`hstu_inductor.kernels.attention.delta_hstu_attention_fwd`'s contract) for
-    ``D <= max_delta_rows()`` rows per sequence. ``split`` / ``config`` ((BLOCK_N, stages, warps)) override
-    the automatic choices (tests, benchmarks); ``fold=False`` sums the partials in a second launch (the
-    previous design, kept for side-by-side benchmarks)."""
+                  max_attn_len=0, contextual_seq_len=0, *, split=None, config=None, fold=True, plan=None,
+                  tma=None) -> torch.Tensor:
+    """Cached attention (:func:`hstu_inductor.kernels.attention.delta_hstu_attention_fwd`'s contract) with this
+    kernel. ``plan`` (a ``delta_plans.Plan``), ``split`` and ``config`` ((BLOCK_N, stages, warps)) override the
+    automatic choices (tests, benchmarks); ``fold=False`` sums the partials in a second launch (the previous
+    design, kept for side-by-side benchmarks)."""
     A._check_inputs(delta_q, k, v, seq_offsets, num_targets)
     seq_offsets = address_source(seq_offsets)
     B = seq_offsets.shape[0] - 1
@@ -265,22 +298,14 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
     flags = A._flags(True, num_targets, max_attn_len, contextual_seq_len, 0)
     flags.pop("HAS_MINFULL")
     bdq, bdv = A._block_d(Dq), A._block_d(Dv)
-    if config is None:
-        pick = os.environ.get("HSTU_INDUCTOR_DELTA_CONFIG")
-        if pick is not None:
-            config = _CONFIGS[int(pick)]
-        elif delta_q.dtype == torch.float32:  # fp32 tiles are twice as wide
-            config = (32, 3, 8)
-        else:  # the most programs per SM (_per_sm): one wave without a split at B * H = 512
-            config = _CONFIGS[3]
-    block_n, stages, warps = config
-    block_m = _block_m(D)
-    n_blocks = -(-D // block_m)
+    plan = _plan_for(D, delta_q.dtype, plan, config)
+    use_tma = _use_tma(tma, plan, delta_q.device, k, v)
+    n_blocks = -(-D // plan.block_m)
     programs = B * H * n_blocks
     if split is None:
         sms = 132 if delta_q.device.type != "cuda" else _num_sms(delta_q.device.index or 0)
-        split = choose_split(_compat.size_hint(programs), -(-_compat.size_hint(max_seq_len) // block_n),
-                             sms * _per_sm(block_m, delta_q.dtype))
+        split = choose_split(_compat.size_hint(programs), -(-_compat.size_hint(max_seq_len) // plan.block_n),
+                             sms * plan.per_sm)
     partial = split > 1
     fold = fold and partial
     # every split writes its whole partial (an empty key range writes zeros), so new_tensor's test poison
@@ -288,16 +313,23 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
     part = new_tensor((split, rq, H, Dv), torch.float32, delta_q.device) if partial else None
     plane = rq * H * Dv
     with A._device_ctx(delta_q.device):
+        if use_tma:
+            A._ensure_allocator()
         cnt = _counters(programs, delta_q.device, delta_q, k, v) if fold else None
         args = (delta_q, k, v, out, part, cnt, seq_offsets, num_targets, scale_t,
                 *delta_q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_s,
-                float(alpha), float(scale_const), H, Dq, Dv, k.shape[0], max_seq_len, D, int(contextual_seq_len),
-                int(max_attn_len), split, plane)
+                float(alpha), float(scale_const), H, Dq, Dv, k.shape[0], max_seq_len, D,
+                int(contextual_seq_len), int(max_attn_len), split, plane)
         kwargs = dict(flags, SCALE_MODE=scale_mode, PARTIAL=partial, FOLD=fold,
                       FAST=A._fast_silu(delta_q.dtype, delta_q.device), PREC=A._prec(delta_q.dtype), EVEN_DQ=bdq == Dq,
-                      EVEN_DV=bdv == Dv, BLOCK_DQ=bdq, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n)
-        launcher(_hstu_delta_kernel, args)[(programs * split,)](*args, **kwargs, num_warps=warps,
-                                                                 num_stages=stages)
+                      EVEN_DV=bdv == Dv, BLOCK_DQ=bdq, BLOCK_DV=bdv, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+                      TMA=use_tma, Q_SMEM=plan.qsmem)
+        kern = launcher(_hstu_delta_kernel, args)
+        if plan.maxnreg and kern is _hstu_delta_kernel and not interpret():
+            # a direct launch only: wrap_triton takes no maxnreg, and Inductor's user-kernel configs drop it
+            # (torch 2.13 config_to_dict), so a traced launch runs uncapped (same result, fewer programs per SM)
+            kwargs["maxnreg"] = plan.maxnreg
+        kern[(programs * split,)](*args, **kwargs, num_warps=plan.warps, num_stages=plan.stages)
         if partial and not fold:
             block = 1024 if interpret() else 2048
             sargs = (part, out, plane, split)
