@@ -31,7 +31,10 @@ PLANS = (
     (16, Plan(16, 32, 3, 4, 5)),
     (32, Plan(32, 32, 3, 4, 5)),
     (64, Plan(64, 32, 3, 4, 3)),
-    (128, None),
+    # 65..128: one 128-row block per (sequence, head), two 8-warp programs per SM, Q from shared memory, K/V by
+    # TMA (CANDIDATES["m128n32s3w8qt"]). H100, B=128, 128 rows: 0.1172 / 0.3623 ms at N=1024 / 4096 against
+    # 0.1297 / 0.3811 for the full forward's row blocks and 0.1157 / 0.3680 for GR's best (RESULTS.md session 12)
+    (128, Plan(128, 32, 3, 8, 2, qsmem=True, tma=True)),
 )
 
 # fp32 inputs (3-pass tf32 dots: twice the tile bytes): 8 warps, row blocks of at most 64, one program per SM
