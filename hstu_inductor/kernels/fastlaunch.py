@@ -28,7 +28,7 @@ if MODE in ("0", "false", "no"):
 
 VERIFIED = 0  # cached launches checked in "verify" mode (tests)
 _MAX_ENTRIES = 64  # per kernel; keys differ only by dtype, targets, alignment and a few flags
-_CACHES: dict = {}  # id(kernel) -> (kernel, {key: entry}); by id: a JITFunction hashes its source hash (~0.6 us)
+_CACHES: dict = {}  # id(kernel) -> (kernel, {key: entry}, modelled); by id: hashing a JITFunction costs ~0.6 us
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -116,19 +116,33 @@ def _slow(kernel, grid, args, meta):
     return kernel[grid](*args, **meta)
 
 
+def _modelled(kernel) -> bool:
+    """A JITFunction as this module reads it (Triton 3.6) whose runtime arguments are unannotated and fully
+    specialised (what _arg_key models); anything else always takes ``kernel[grid]``."""
+    try:
+        return (isinstance(kernel.pre_run_hooks, list) and isinstance(kernel.device_caches, dict)
+                and hasattr(kernel, "debug") and len(kernel.params) == len(kernel.arg_names)
+                and all(p.is_constexpr or not (p.do_not_specialize or p.do_not_specialize_on_alignment or p.annotation)
+                        for p in kernel.params))
+    except Exception:
+        return False
+
+
 def _entry(kernel, compiled, n_args: int, meta: dict, CompiledKernel):
     """(launcher, function, packed metadata, constexpr tail, compiled) for later launches, or None."""
-    if type(compiled) is not CompiledKernel or compiled.function is None:
-        return None  # not launched (async compile, interpreter, ...)
-    params = kernel.params
-    names = kernel.arg_names[n_args:]
-    if len(params) != len(kernel.arg_names) or any(not p.is_constexpr for p in params[n_args:]) \
-            or any(n not in meta for n in names):
-        return None  # the launcher takes every argument in signature order: constexprs must all be in meta
-    if any(p.do_not_specialize or p.do_not_specialize_on_alignment or p.annotation for p in params[:n_args]):
-        return None  # _arg_key models unannotated, fully specialised arguments only
-    tail = tuple(meta[n] for n in names)
-    return compiled.run, compiled.function, compiled.packed_metadata, tail, compiled
+    try:
+        if type(compiled) is not CompiledKernel or compiled.function is None:
+            return None  # not launched (async compile, interpreter, ...)
+        names = kernel.arg_names[n_args:]
+        if any(not p.is_constexpr for p in kernel.params[n_args:]) or any(n not in meta for n in names):
+            return None  # the launcher takes every argument in signature order: constexprs must all be in meta
+        kernel.cache_key  # noqa: B018  (computed at compile time already; it fills used_global_vals)
+        if kernel.used_global_vals:
+            return None  # JITFunction.run re-checks the globals a kernel reads on every launch: keep that path
+        tail = tuple(meta[n] for n in names)
+        return compiled.run, compiled.function, compiled.packed_metadata, tail, compiled
+    except Exception:  # another Triton's internals
+        return None
 
 
 def launch(kernel, grid: tuple, args: tuple, meta: dict):
@@ -139,8 +153,11 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict):
     if tri is None:
         return _slow(kernel, grid, args, meta)
     driver, knobs, HookChain, CompiledKernel = tri
+    held = _CACHES.get(id(kernel))
+    if held is None:  # the kernel is kept with its cache, so its id is never reused while the entry lives
+        held = _CACHES[id(kernel)] = (kernel, {}, _modelled(kernel))
     rt = knobs.runtime
-    spec = _arg_key(args)
+    spec = _arg_key(args) if held[2] else None
     if spec is None or kernel.pre_run_hooks or not (_no_hook(rt.launch_enter_hook, HookChain)
                                                     and _no_hook(rt.launch_exit_hook, HookChain)):
         return _slow(kernel, grid, args, meta)  # hooks must see every launch: Triton's path
@@ -150,9 +167,6 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict):
     # the options (meta; debug and instrumentation_mode are added by JITFunction.run from the knobs)
     key = (device, drv, bool(kernel.debug or rt.debug), knobs.compilation.instrumentation_mode,
            tuple(meta.items()), spec)
-    held = _CACHES.get(id(kernel))
-    if held is None:  # the kernel is kept with its cache, so its id is never reused while the entry lives
-        held = _CACHES[id(kernel)] = (kernel, {})
     cache = held[1]
     entry = cache.get(key)
     if entry is None:

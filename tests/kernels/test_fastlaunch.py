@@ -20,6 +20,8 @@ pytest.importorskip("triton.experimental.gluon")
 
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.compiler.compiler import CompiledKernel  # noqa: E402
 from triton.runtime.driver import driver as DRIVER  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
@@ -284,3 +286,33 @@ def test_misaligned_descriptor_is_never_cached(gpu):
     y = torch.zeros(q.numel() + 4, dtype=q.dtype)[4:].view(q.shape)  # 8 bytes off
     with pytest.raises(AssertionError, match="16-byte aligned"):
         ga.gluon_forward(y, k, v, off, N, 0.1, nt, checked=True)
+
+
+_G = gl.constexpr(3)
+
+
+@gluon.jit
+def _toy_ok(X, n, C: gl.constexpr):
+    gl.store(X + n, C)
+
+
+@gluon.jit(do_not_specialize=["n"])
+def _toy_dns(X, n, C: gl.constexpr):
+    gl.store(X + n, C)
+
+
+@gluon.jit
+def _toy_global(X, n, C: gl.constexpr):
+    gl.store(X + n, _G)
+
+
+@pytest.mark.parametrize("kern,cached", [(_toy_ok, True), (_toy_dns, False), (_toy_global, False)],
+                         ids=["modelled", "do_not_specialize", "reads_a_global"])
+def test_only_modelled_kernels_are_cached(gpu, monkeypatch, kern, cached):
+    """Kernels whose specialisation the key does not model stay on Triton's path (its global check included)."""
+    monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
+    monkeypatch.setattr(kern, "_do_compile", gpu.do_compile(kern))
+    x = torch.zeros(4)
+    for _ in range(2):
+        fl.launch(kern, (1, ), (x, 5), dict(C=2))
+    assert (gpu.normalised(1)[3] == (None, None, None)) == cached
