@@ -86,11 +86,15 @@ def _arg_key(args) -> tuple | None:
     return tuple(out)
 
 
+_VERSIONS = ("3.6.", )  # Triton versions whose binder, cache key and launcher convention this module copies
+
+
 def _triton():
     """(driver, knobs, HookChain, CompiledKernel) of this Triton, or None (the fast path is then never used)."""
     global _TRITON
     if _TRITON is False:
         try:
+            import triton
             from triton import knobs
             from triton.compiler.compiler import CompiledKernel
             from triton.knobs import HookChain
@@ -98,7 +102,8 @@ def _triton():
 
             knobs.runtime.debug, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook  # noqa: B018
             knobs.compilation.instrumentation_mode  # noqa: B018
-            _TRITON = (driver, knobs, HookChain, CompiledKernel)
+            ok = triton.__version__.startswith(_VERSIONS)
+            _TRITON = (driver, knobs, HookChain, CompiledKernel) if ok else None
         except Exception:  # another Triton: kernel[grid] only
             _TRITON = None
     return _TRITON

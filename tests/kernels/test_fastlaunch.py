@@ -316,3 +316,13 @@ def test_only_modelled_kernels_are_cached(gpu, monkeypatch, kern, cached):
     for _ in range(2):
         fl.launch(kern, (1, ), (x, 5), dict(C=2))
     assert (gpu.normalised(1)[3] == (None, None, None)) == cached
+
+
+def test_other_triton_versions_take_kernel_grid(gpu, monkeypatch):
+    """The launcher convention is copied from 3.6: another version never uses the cache (until checked)."""
+    monkeypatch.setattr(fl, "_VERSIONS", ("9.9.", ))
+    monkeypatch.setattr(fl, "_TRITON", False)
+    c = _case()
+    for _ in range(2):
+        _fwd(c)
+    assert gpu.normalised(1)[3][1] is knobs.runtime.launch_enter_hook and not fl._CACHES
