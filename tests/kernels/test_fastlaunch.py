@@ -6,7 +6,7 @@ cached launch could run a kernel compiled for another one. (2) ``gluon_forward``
 tensors against a fake sm90 device: Triton's real ``JITFunction.run`` (binder, cache key, launcher call) with
 compilation replaced by fake ``CompiledKernel`` objects that record their launches. So the first call goes
 through Triton, later ones through the cache, and both must hand the launcher the same arguments.
-The GPU check (real kernels, bitwise equal outputs) is tests/kernels/test_gluon_fastlaunch_gpu.py.
+The GPU check (real kernels, bitwise equal outputs) is tests/kernels/test_gluon_fastlaunch.py.
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ class FakeGPU:
 
 
 @pytest.fixture
-def gpu(monkeypatch):
+def fake_gpu(monkeypatch):
     fake = FakeGPU()
     monkeypatch.setattr(DRIVER, "_active", _Driver())
     for kern in KERNELS:
@@ -183,14 +183,14 @@ def _bwd(c, **kw):
 
 
 @pytest.mark.parametrize("persistent", [True, False])
-def test_second_call_is_cached_with_the_same_launch(gpu, persistent):
+def test_second_call_is_cached_with_the_same_launch(fake_gpu, persistent):
     cfg = dict(PERSISTENT=persistent)
     c = _case()
     q, k, v, off, _, nt = c
     outs = [_fwd(c, config=cfg) for _ in range(2)]
-    assert len(gpu.compiled) == 1 and len(gpu.launches) == 2
-    ck0, head0, args0, hooks0 = gpu.normalised(0, dict(q=q, k=k, v=v, off=off, nt=nt, out=outs[0]))
-    ck1, head1, args1, hooks1 = gpu.normalised(1, dict(q=q, k=k, v=v, off=off, nt=nt, out=outs[1]))
+    assert len(fake_gpu.compiled) == 1 and len(fake_gpu.launches) == 2
+    ck0, head0, args0, hooks0 = fake_gpu.normalised(0, dict(q=q, k=k, v=v, off=off, nt=nt, out=outs[0]))
+    ck1, head1, args1, hooks1 = fake_gpu.normalised(1, dict(q=q, k=k, v=v, off=off, nt=nt, out=outs[1]))
     assert ck0 is ck1
     assert head0[:5] == head1[:5]  # grid, stream, function, packed metadata
     assert args0 == args1  # every kernel argument, constexprs included, in the launcher's order
@@ -198,42 +198,42 @@ def test_second_call_is_cached_with_the_same_launch(gpu, persistent):
     assert hooks0[1] is knobs.runtime.launch_enter_hook  # the first one was Triton's own launch
 
 
-def test_backward_cached(gpu):
+def test_backward_cached(fake_gpu):
     q, k, v, off, N, _ = c = _case(targets=False)
     g = q.clone()
     got = [gb.gluon_backward(g, q, k, v, off, N, 0.1) for _ in range(2)]
-    assert len(gpu.compiled) == 2 and len(gpu.launches) == 4  # dK/dV and dQ kernels, twice
+    assert len(fake_gpu.compiled) == 2 and len(fake_gpu.launches) == 4  # dK/dV and dQ kernels, twice
     names = [dict(q=q, k=k, v=v, g=g, off=off, dq=dq, dk=dk, dv=dv) for dq, dk, dv in got]
     for i in (0, 1):
-        a, b = gpu.normalised(i, names[0]), gpu.normalised(i + 2, names[1])
+        a, b = fake_gpu.normalised(i, names[0]), fake_gpu.normalised(i + 2, names[1])
         assert a[0] is b[0] and a[2] == b[2] and b[3] == (None, None, None)
 
 
-def test_new_tensors_same_shape_reuse_the_entry(gpu):
+def test_new_tensors_same_shape_reuse_the_entry(fake_gpu):
     _fwd(_case(seed=1))
     _fwd(_case(seed=2))  # same lengths? no: other lengths, same specialisation here
-    assert len(gpu.compiled) == 1 and len(gpu.launches) == 2
+    assert len(fake_gpu.compiled) == 1 and len(fake_gpu.launches) == 2
 
 
-def test_other_specialisations_compile_again(gpu):
+def test_other_specialisations_compile_again(fake_gpu):
     """Cases whose Triton specialisation differs from the warm entry's: each must compile its own kernel (verify
     mode also checks each cached launch against Triton's cache)."""
     _fwd(_case())
-    base = len(gpu.compiled)
+    base = len(fake_gpu.compiled)
     _fwd(_case(targets=False))  # HAS_TGT
     _fwd(_case(dtype=torch.float16))  # descriptor dtype
     _fwd(_case(H=1))  # H == 1 is a constexpr in Triton
     _fwd(_case(B=1, N=1))  # L == 1, MAX_N == 1
     _fwd(_case(B=40, N=300))  # more items than CTAs: DYNAMIC
     _fwd(_case(odd=True))  # pointer alignment
-    assert len(gpu.compiled) == base + 6
-    n = len(gpu.compiled)
+    assert len(fake_gpu.compiled) == base + 6
+    n = len(fake_gpu.compiled)
     for c in (_case(targets=False, seed=3), _case(dtype=torch.float16, seed=4), _case(H=1, seed=5)):
         _fwd(c)  # warm now: cached, and verified against Triton's binder
-    assert len(gpu.compiled) == n
+    assert len(fake_gpu.compiled) == n
 
 
-def test_verify_sweep(gpu):
+def test_verify_sweep(fake_gpu):
     """Many shapes, layouts and alignments, forward and backward, twice each: every cached launch is checked
     against the kernel Triton's own binder and cache pick (verify mode raises otherwise)."""
     for B, N, H, tg, fused, odd in itertools.product((1, 2, 5), (1, 16, 130), (1, 2, 3), (True, False),
@@ -242,10 +242,10 @@ def test_verify_sweep(gpu):
         for _ in range(2):
             _fwd(c)
             _bwd(c)
-    assert len(gpu.launches) > 2 * len(gpu.compiled)  # most launches were cached
+    assert len(fake_gpu.launches) > 2 * len(fake_gpu.compiled)  # most launches were cached
 
 
-def test_verify_catches_a_wrong_entry(gpu):
+def test_verify_catches_a_wrong_entry(fake_gpu):
     c = _case()
     _fwd(c)
     cache = fl._CACHES[id(ga._hstu_fwd_ws_persistent_kernel)][1]
@@ -255,16 +255,16 @@ def test_verify_catches_a_wrong_entry(gpu):
         _fwd(c)
 
 
-def test_off_always_goes_through_triton(gpu, monkeypatch):
+def test_off_always_goes_through_triton(fake_gpu, monkeypatch):
     monkeypatch.setattr(fl, "MODE", "off")
     c = _case()
     for _ in range(3):
         _fwd(c)
-    assert len(gpu.launches) == 3 and not fl._CACHES
-    assert all(gpu.normalised(i)[3][1] is knobs.runtime.launch_enter_hook for i in range(3))
+    assert len(fake_gpu.launches) == 3 and not fl._CACHES
+    assert all(fake_gpu.normalised(i)[3][1] is knobs.runtime.launch_enter_hook for i in range(3))
 
 
-def test_launch_hooks_take_tritons_path(gpu):
+def test_launch_hooks_take_tritons_path(fake_gpu):
     c = _case()
     _fwd(c)
     seen = []
@@ -274,12 +274,12 @@ def test_launch_hooks_take_tritons_path(gpu):
         _fwd(c)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert gpu.normalised(1)[3][1] is knobs.runtime.launch_enter_hook
+    assert fake_gpu.normalised(1)[3][1] is knobs.runtime.launch_enter_hook
     _fwd(c)
-    assert gpu.normalised(2)[3] == (None, None, None)
+    assert fake_gpu.normalised(2)[3] == (None, None, None)
 
 
-def test_misaligned_descriptor_is_never_cached(gpu):
+def test_misaligned_descriptor_is_never_cached(fake_gpu):
     """A base off 16-byte alignment has its own key, so it reaches the gluon descriptor's check (uncached)."""
     q, k, v, off, N, nt = _case()
     _fwd((q, k, v, off, N, nt))
@@ -308,21 +308,21 @@ def _toy_global(X, n, C: gl.constexpr):
 
 @pytest.mark.parametrize("kern,cached", [(_toy_ok, True), (_toy_dns, False), (_toy_global, False)],
                          ids=["modelled", "do_not_specialize", "reads_a_global"])
-def test_only_modelled_kernels_are_cached(gpu, monkeypatch, kern, cached):
+def test_only_modelled_kernels_are_cached(fake_gpu, monkeypatch, kern, cached):
     """Kernels whose specialisation the key does not model stay on Triton's path (its global check included)."""
     monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
-    monkeypatch.setattr(kern, "_do_compile", gpu.do_compile(kern))
+    monkeypatch.setattr(kern, "_do_compile", fake_gpu.do_compile(kern))
     x = torch.zeros(4)
     for _ in range(2):
         fl.launch(kern, (1, ), (x, 5), dict(C=2))
-    assert (gpu.normalised(1)[3] == (None, None, None)) == cached
+    assert (fake_gpu.normalised(1)[3] == (None, None, None)) == cached
 
 
-def test_other_triton_versions_take_kernel_grid(gpu, monkeypatch):
+def test_other_triton_versions_take_kernel_grid(fake_gpu, monkeypatch):
     """The launcher convention is copied from 3.6: another version never uses the cache (until checked)."""
     monkeypatch.setattr(fl, "_VERSIONS", ("9.9.", ))
     monkeypatch.setattr(fl, "_TRITON", False)
     c = _case()
     for _ in range(2):
         _fwd(c)
-    assert gpu.normalised(1)[3][1] is knobs.runtime.launch_enter_hook and not fl._CACHES
+    assert fake_gpu.normalised(1)[3][1] is knobs.runtime.launch_enter_hook and not fl._CACHES
