@@ -18,8 +18,11 @@ Modes (``config.check_inputs`` and how the checks are spelled):
 Breakdown rows (``part``): ``op`` (the whole call), ``kernel_fn`` (``kernels.attention.hstu_attention_fwd``
 alone: allocation and the Triton launcher), ``checks`` (``check_jagged_values`` alone), and with
 ``--compiled`` ``compiled`` (the plain reference attention under ``torch.compile(backend="hstu")``, static
-shapes, inference: guards, the compiled wrapper and the rewritten op together), ``gluon_fn`` (the Gluon
-forward's host function alone, sm90) and ``empty_op`` (a custom op that only allocates: the dispatch floor).
+shapes, inference: guards, the compiled wrapper and the rewritten op together), ``gluon_fn`` / ``gluon_bwd_fn``
+(the Gluon forward's / backward's host function alone, sm90, cached launches: ``kernels/fastlaunch.py``),
+``gluon_fn_uncached`` / ``gluon_bwd_fn_uncached`` (the same through Triton's ``kernel[grid]``, the cache off),
+``op_uncached`` (the whole op, checks on, the cache off) and ``empty_op`` (a custom op that only allocates: the
+dispatch floor).
 
 ``--cpu-python``: without a GPU, the Python part of the op's CUDA branch on CPU tensors with every
 launch stubbed out (dispatch, validation, launch-argument set-up; no checks, no launcher), with the
@@ -125,14 +128,35 @@ def _empty_op(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(0)
 
 
-def gluon_fn(q, k, v, off, N, nt):
-    """The Gluon forward's host function alone (None where it does not apply: the row is then skipped)."""
+def gluon_fn(q, k, v, off, N, nt, backward=False):
+    """The Gluon forward's (backward's) host function alone (a no-op where it does not apply)."""
     from hstu_inductor.ops import _gluon
 
-    mod = _gluon._module()
+    mod = _gluon._bwd_module() if backward else _gluon._module()
     if mod is None or not mod.gluon_supported(q.device):
         return lambda: None
+    if backward:
+        grad = torch.randn_like(q)
+        return lambda: mod.gluon_backward(grad, q, k, v, off, N, ALPHA, nt, checked=True)
     return lambda: mod.gluon_forward(q, k, v, off, N, ALPHA, nt, checked=True)
+
+
+def uncached(fn):
+    """``fn`` with the cached launch path of the Gluon kernels off (``fastlaunch.MODE``)."""
+    from hstu_inductor.kernels import fastlaunch
+
+    def call():
+        saved, fastlaunch.MODE = fastlaunch.MODE, "off"
+        try:
+            return fn()
+        finally:
+            fastlaunch.MODE = saved
+    return call
+
+
+# parts timed in the default checks mode only (compiled graphs keep their own checks; the rest has none)
+ONE_ROW = ("compiled", "gluon_fn", "gluon_fn_uncached", "gluon_bwd_fn", "gluon_bwd_fn_uncached", "op_uncached",
+           "empty_op")
 
 
 def run_cuda(args):
@@ -154,6 +178,10 @@ def run_cuda(args):
                 torch._dynamo.reset()
                 parts["compiled"] = compiled_call(*x)
                 parts["gluon_fn"] = gluon_fn(*x)
+                parts["gluon_fn_uncached"] = uncached(parts["gluon_fn"])
+                parts["gluon_bwd_fn"] = gluon_fn(*x, backward=True)
+                parts["gluon_bwd_fn_uncached"] = uncached(parts["gluon_bwd_fn"])
+                parts["op_uncached"] = uncached(parts["op"])
                 parts["empty_op"] = lambda: torch.ops.hstu_bench.empty(q)
             for mode, (check_inputs, fused) in modes.items():
                 with hstu_inductor.config.patch(check_inputs=check_inputs), \
@@ -163,7 +191,7 @@ def run_cuda(args):
                             continue  # no checks in it: one row is enough
                         if part == "checks" and mode == "off":
                             continue
-                        if part in ("compiled", "gluon_fn", "empty_op") and mode != "auto":
+                        if part in ONE_ROW and mode != "auto":
                             continue  # compiled graphs keep their own checks: one row
                         for _ in range(3):  # warm up: Triton compiles, caches
                             fn()

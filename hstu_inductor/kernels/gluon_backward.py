@@ -43,7 +43,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -55,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import new_tensor
+from .fastlaunch import launch
 from .gluon_attention import (
     _check,
     _desc_2d,
@@ -713,7 +713,7 @@ def gluon_backward(grad, q, k, v, seq_offsets, max_seq_len: int, alpha: float, n
         return dq.zero_(), dk.zero_(), dv.zero_()
     BM, BN = BLOCK_M, cfg["BLOCK_N"]
     m_layout, n_layout = _smem_layout(BM, D, q.dtype), _smem_layout(BN, D, q.dtype)
-    n_blocks = triton.cdiv(max_seq_len, 2 * BM)
+    n_blocks = -(-max_seq_len // (2 * BM))  # triton.cdiv is a constexpr_function: ~1.5 us a host call
     n_items = B * H * n_blocks
     grid, dynamic = _scheduling(cfg, n_items, q.device)
     tgt = num_targets if num_targets is not None else seq_offsets
@@ -724,16 +724,17 @@ def gluon_backward(grad, q, k, v, seq_offsets, max_seq_len: int, alpha: float, n
                   CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"], num_warps=4,
                   maxnreg=cfg["MAXNREG"])
     run = cfg["RUN"]
+    q_d, g_d = _desc_2d(q, BM, m_layout), _desc_2d(grad, BM, m_layout)  # the same in both kernels
     if run in ("both", "dkdv"):
-        descs = [_desc_2d(t, BM, m_layout) for t in (k, v, q, grad, dk, dv)]
-        _hstu_bwd_dkdv_ws_kernel[grid](
-            *descs, dk, dv, seq_offsets, tgt, counters[0:1], dk.stride(0), H, L, max_seq_len, n_blocks, n_items, half_alpha,
-            float(alpha) * scale, scale, STAGES=cfg["KV_STAGES"], **common)
+        launch(_hstu_bwd_dkdv_ws_kernel, grid,
+               (_desc_2d(k, BM, m_layout), _desc_2d(v, BM, m_layout), q_d, g_d, _desc_2d(dk, BM, m_layout),
+                _desc_2d(dv, BM, m_layout), dk, dv, seq_offsets, tgt, counters[0:1], dk.stride(0), H, L, max_seq_len,
+                n_blocks, n_items, half_alpha, float(alpha) * scale, scale), dict(STAGES=cfg["KV_STAGES"], **common))
     if run in ("both", "dq"):
-        descs = [_desc_2d(q, BM, m_layout), _desc_2d(grad, BM, m_layout), _desc_2d(k, BN, n_layout),
-                 _desc_2d(v, BN, n_layout), _desc_2d(dq, BM, m_layout)]
-        _hstu_bwd_dq_ws_kernel[grid](
-            *descs, dq, seq_offsets, tgt, counters[1:2], dq.stride(0), H, L, max_seq_len, n_blocks, n_items, half_alpha,
-            float(alpha) * scale, BLOCK_N=BN, KSTAGES=cfg["DQ_KSTAGES"], VSTAGES=cfg["DQ_VSTAGES"],
-            OVERLAP=cfg["OVERLAP"], REGS=cfg["DQ_REGS"], **common)
+        launch(_hstu_bwd_dq_ws_kernel, grid,
+               (q_d, g_d, _desc_2d(k, BN, n_layout), _desc_2d(v, BN, n_layout), _desc_2d(dq, BM, m_layout), dq,
+                seq_offsets, tgt, counters[1:2], dq.stride(0), H, L, max_seq_len, n_blocks, n_items, half_alpha,
+                float(alpha) * scale),
+               dict(BLOCK_N=BN, KSTAGES=cfg["DQ_KSTAGES"], VSTAGES=cfg["DQ_VSTAGES"], OVERLAP=cfg["OVERLAP"],
+                    REGS=cfg["DQ_REGS"], **common))
     return dq, dk, dv
