@@ -243,3 +243,13 @@ def forward_copies_pass(width, found):
 
     return _Pass()
 
+
+def cuda_stu_batch(B: int, N: int, E: int, seed: int):
+    """``(x [L, E] bf16, offsets [B+1], num_targets [B])`` on CUDA for an STU layer: lengths U[N/2, N], 0..4 targets."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(N // 2, N + 1, (B,), generator=g)
+    off = torch.zeros(B + 1, dtype=torch.int64)
+    off[1:] = lengths.cumsum(0)
+    x = torch.randn(int(off[-1]), E, generator=g).to("cuda", torch.bfloat16)
+    nt = torch.minimum(torch.randint(0, 5, (B,), generator=g), lengths).cuda()
+    return x, off.cuda(), nt

@@ -49,6 +49,22 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+@pytest.fixture
+def dispatch_choices(monkeypatch):
+    """Per call of a cost-rule ``SizeDispatch`` (hstu_inductor/cost_rule.py): True when it ran stock Inductor's graph."""
+    from hstu_inductor import cost_rule
+
+    choices = []
+
+    class Spy(cost_rule.SizeDispatch):
+        def __call__(self, *args):
+            choices.append(self.decision.per_call(args) < self.decision.threshold)
+            return super().__call__(*args)
+
+    monkeypatch.setattr(cost_rule, "SizeDispatch", Spy)
+    return choices
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     """Fixed seeds for every test: fresh random inputs, reproducible failures."""

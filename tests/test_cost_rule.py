@@ -19,22 +19,14 @@ E, H, D = 16, 2, 8
 
 
 @pytest.fixture
-def cpu_rule(monkeypatch):
+def cpu_rule(monkeypatch, dispatch_choices):
     """The rule on (conftest turns it off for the other tests), applying to CPU graphs, and a cheap compile."""
     monkeypatch.setattr(cost_rule, "_on_cuda", lambda example_inputs: True)
     monkeypatch.setattr(_compat, "compile_fx", lambda gm, example_inputs, patches=None: _compat.aot_eager(
         gm, example_inputs))
-    choices = []
-
-    class Spy(cost_rule.SizeDispatch):
-        def __call__(self, *args):
-            choices.append(self.decision.per_call(args) < self.decision.threshold)
-            return super().__call__(*args)
-
-    monkeypatch.setattr(cost_rule, "SizeDispatch", Spy)
     torch._dynamo.reset()
     with hstu_inductor.config.patch(cost_rule="auto"):
-        yield choices
+        yield dispatch_choices
     torch._dynamo.reset()
 
 

@@ -9,39 +9,19 @@ import pytest
 import torch
 
 import hstu_inductor
-from hstu_inductor import cost_rule
 from hstu_inductor.reference import STULayer
 from hstu_inductor.report import collecting
+from _helpers import cuda_stu_batch, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 E, H, D = 256, 2, 64
 
 
-def _batch(B, N, seed):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(N // 2, N + 1, (B,), generator=g)
-    off = torch.zeros(B + 1, dtype=torch.int64)
-    off[1:] = lengths.cumsum(0)
-    x = torch.randn(int(off[-1]), E, generator=g).to("cuda", torch.bfloat16)
-    nt = torch.minimum(torch.randint(0, 5, (B,), generator=g), lengths).cuda()
-    return x, off.cuda(), nt
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
-def test_dynamic_dispatch_with_inductor(monkeypatch, train):
-    choices = []
-
-    class Spy(cost_rule.SizeDispatch):
-        def __call__(self, *args):
-            choices.append(self.decision.per_call(args) < self.decision.threshold)
-            return super().__call__(*args)
-
-    monkeypatch.setattr(cost_rule, "SizeDispatch", Spy)
+def test_dynamic_dispatch_with_inductor(dispatch_choices, train):
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = STULayer(E, H, D, D).to("cuda", torch.bfloat16).train(train)
@@ -52,7 +32,7 @@ def test_dynamic_dispatch_with_inductor(monkeypatch, train):
     with hstu_inductor.config.patch(cost_rule="auto", cost_rule_min_work={phase: threshold}), \
             collecting() as report:
         for i, (B, N) in enumerate(sizes):
-            x, off, nt = _batch(B, N, seed=i)
+            x, off, nt = cuda_stu_batch(B, N, E, seed=i)
             xx = x.detach().requires_grad_(train)
             with torch.set_grad_enabled(train):
                 out = model(xx, off, N, nt)
@@ -61,18 +41,18 @@ def test_dynamic_dispatch_with_inductor(monkeypatch, train):
             with torch.set_grad_enabled(train):
                 ref = layer(xe, off, N, nt)
                 ref_grads = torch.autograd.grad(ref, xe, torch.ones_like(ref)) if train else ()
-            assert _rel(out, ref) < 2e-2, (B, N)
+            assert rel_err(out, ref) < 2e-2, (B, N)
             for g, r in zip(grads, ref_grads):
-                assert _rel(g, r) < 2e-2, (B, N)
+                assert rel_err(g, r) < 2e-2, (B, N)
     assert any("per call" in line for line in report.cost_rule), str(report)
     assert report.counts["attention"] >= 1, str(report)
-    assert choices == [B * H * N * N < threshold for B, N in sizes], choices
+    assert dispatch_choices == [B * H * N * N < threshold for B, N in sizes], dispatch_choices
 
 
 def test_reduce_overhead_not_decided():
     torch._dynamo.reset()
     layer = STULayer(E, H, D, D).to("cuda", torch.bfloat16).eval()
-    x, off, nt = _batch(2, 128, seed=0)
+    x, off, nt = cuda_stu_batch(2, 128, E, seed=0)
     model = torch.compile(layer, backend="hstu", mode="reduce-overhead")
     with hstu_inductor.config.patch(cost_rule="auto", cost_rule_min_work={"infer": 10 ** 12}), \
             collecting() as report, torch.no_grad():

@@ -17,22 +17,11 @@ from torch._dynamo.utils import counters
 import hstu_inductor
 from hstu_inductor.reference import STULayer
 from hstu_inductor.report import collecting
+from _helpers import cuda_stu_batch, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _batch(B, N, E, seed):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(N // 2, N + 1, (B,), generator=g)
-    off = torch.zeros(B + 1, dtype=torch.int64)
-    off[1:] = lengths.cumsum(0)
-    x = torch.randn(int(off[-1]), E, generator=g).to("cuda", torch.bfloat16)
-    nt = torch.minimum(torch.randint(0, 5, (B,), generator=g), lengths).cuda()
-    return x, off.cuda(), nt
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
@@ -43,7 +32,7 @@ def test_reduce_overhead_keeps_cuda_graphs(B, train):
     torch.manual_seed(0)
     N, E = 256, 256
     layer = STULayer(E, 2, 64, 64).to("cuda", torch.bfloat16).train(train)
-    x, off, nt = _batch(B, N, E, seed=B)
+    x, off, nt = cuda_stu_batch(B, N, E, seed=B)
     counters.clear()
     model = torch.compile(layer, backend="hstu", mode="reduce-overhead")
     with collecting() as report:
@@ -59,8 +48,8 @@ def test_reduce_overhead_keeps_cuda_graphs(B, train):
     xe = x.detach().requires_grad_(train)
     with torch.set_grad_enabled(train):
         want = layer(xe, off, N, nt)
-        assert _rel(out, want) < 2e-2
+        assert rel_err(out, want) < 2e-2
         if train:
             (dxe,) = torch.autograd.grad(want, xe, torch.ones_like(want))
-            assert _rel(dx, dxe) < 5e-2
+            assert rel_err(dx, dxe) < 5e-2
     torch._dynamo.reset()
