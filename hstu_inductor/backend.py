@@ -71,18 +71,19 @@ def _compile(gm: torch.fx.GraphModule, compile_rewritten, cost=None):
         if not getattr(_state, "ddp_pieces", False):  # a DDP piece: recorded whole, before the split
             graph_breaks.record_graph(gm, stage)
         decision = _decide(cost, rewritten) if cost is not None and rewritten is not gm else None
+        if decision is not None:
+            line = decision.describe()
+            if decision.choice == "inductor":  # the graph is kept whole: what was found, not counted as rewritten
+                line += " (found: " + ", ".join(f"{k} {n}" for k, n in stage.counts.items() if n) + ")"
+                stage.counts = dict.fromkeys(stage.counts, 0)
+            stage.cost_rule.append(line)
+            log.info("hstu_inductor: cost rule: %s", line)
         if decision is None or decision.choice == "hstu":
             compiled = compile_rewritten(rewritten)
         elif decision.choice == "inductor":
-            found = ", ".join(f"{k} {n}" for k, n in stage.counts.items() if n)
-            stage.counts = dict.fromkeys(stage.counts, 0)
             compiled = compile_rewritten(gm)
-            decision_text = f"{decision.describe()} (found: {found})"
         else:
             compiled = cost_rule.SizeDispatch(decision, compile_rewritten(gm), compile_rewritten(rewritten))
-        if decision is not None:
-            stage.cost_rule.append(decision_text if decision.choice == "inductor" else decision.describe())
-            log.info("hstu_inductor: cost rule: %s", stage.cost_rule[-1])
     graph_breaks.warn_splits(stage.records)
     return compiled
 

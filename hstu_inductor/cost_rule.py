@@ -37,9 +37,6 @@ log = logging.getLogger("hstu_inductor")
 
 __all__ = ["Decision", "decide", "SizeDispatch"]
 
-_ATTENTION = ("attention",)  # hstu op names whose work the rule reads (delta attention: few rows, not covered)
-
-
 @dataclasses.dataclass
 class Decision:
     """What the rule chose for one graph: ``"hstu"``, ``"inductor"``, or ``"runtime"`` (per call)."""
@@ -69,7 +66,9 @@ def decide(rewritten: torch.fx.GraphModule, example_inputs, cudagraphs: bool) ->
     """The rule's decision for ``rewritten``, or None where it does not apply (see the module doc)."""
     if config.cost_rule == "off" or cudagraphs or not _on_cuda(example_inputs):
         return None
-    works = [_attention_work(n) for n in rewritten.graph.nodes if _is_attention(n)]
+    # hstu.attention only: delta attention (a few new rows per sequence) is not covered
+    works = [_attention_work(n) for n in rewritten.graph.find_nodes(op="call_function",
+                                                                       target=torch.ops.hstu.attention.default)]
     if not works:
         return None
     phase = "train" if torch.is_grad_enabled() and any(
@@ -79,12 +78,13 @@ def decide(rewritten: torch.fx.GraphModule, example_inputs, cudagraphs: bool) ->
         log.info("hstu_inductor: cost rule: an attention's sizes are unknown; rewritten")
         return None
     work = works[0] if len(set(map(str, works))) == 1 else sum(works) / len(works)
-    if isinstance(work, int) or getattr(work, "is_number", False):
+    if work.is_number:
         return Decision("hstu" if int(work) >= threshold else "inductor", phase, threshold, int(work))
-    lower = _lower_bound(work, example_inputs)
+    env = _shape_env(example_inputs)
+    lower = _lower_bound(work, env)
     if lower is not None and lower >= threshold:
         return Decision("hstu", phase, threshold, work, bound=lower)
-    per_call = _evaluator(work, example_inputs)
+    per_call = _evaluator(work, example_inputs, env)
     if per_call is None:
         log.info("hstu_inductor: cost rule: work %s not computable from the call's arguments; rewritten", work)
         return None
@@ -110,33 +110,19 @@ def _on_cuda(example_inputs) -> bool:
     return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
 
 
-def _is_attention(node) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    return node.target.namespace == "hstu" and node.target._opname in _ATTENTION
-
-
 def _val(x):
     return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
 
 
-def _expr(v):
-    """An int, or the sympy expression of a SymInt; None when unknown."""
-    if isinstance(v, int):
-        return v
-    if isinstance(v, torch.SymInt):
-        return v.node.expr
-    return None
-
-
 def _attention_work(node):
     """``B * H * max_seq_len**2`` of one attention op node (q, k, v, seq_offsets, max_seq_len, ...)."""
+    from .patterns.prover import sym_expr  # here: the backend imports the patterns only once it compiles
+
     q, offsets, n = (_val(node.args[i]) if i < len(node.args) else None for i in (0, 3, 4))
-    if not isinstance(q, torch.Tensor) or not isinstance(offsets, torch.Tensor) or q.dim() != 3:
+    if not isinstance(q, torch.Tensor) or not isinstance(offsets, torch.Tensor) or q.dim() != 3 or \
+            not isinstance(n, (int, torch.SymInt)):
         return None
-    b, h, n = _expr(offsets.shape[0]), _expr(q.shape[1]), _expr(n)
-    if b is None or h is None or n is None:
-        return None
+    b, h, n = (sym_expr(v) for v in (offsets.shape[0], q.shape[1], n))
     return (b - 1) * h * n * n
 
 
@@ -145,9 +131,8 @@ def _shape_env(example_inputs):
     return getattr(fake, "shape_env", None)
 
 
-def _lower_bound(work, example_inputs) -> Optional[float]:
+def _lower_bound(work, env) -> Optional[float]:
     """The least value ``work`` can take under the shape environment's ranges (e.g. ``mark_dynamic(min=...)``)."""
-    env = _shape_env(example_inputs)
     try:
         low = env.bound_sympy(work).lower
         return float(low) if low.is_finite else None
@@ -155,12 +140,11 @@ def _lower_bound(work, example_inputs) -> Optional[float]:
         return None
 
 
-def _evaluator(work, example_inputs):
+def _evaluator(work, example_inputs, env):
     """``args -> work`` for the compiled graph's call arguments: each free symbol of ``work`` is read
     from the first argument that carries it (a SymInt argument, or a tensor dimension)."""
     import sympy
 
-    env = _shape_env(example_inputs)
     if env is not None:
         work = env.simplify(work)
     sources = {}
