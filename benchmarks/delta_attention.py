@@ -27,6 +27,8 @@ against a second call of itself (``rep``: ``=`` when bitwise equal).
 FLOPs counted for the delta rows only: sum_b H * D * n_b * (Dq + Dv) * 2.
 
     python benchmarks/delta_attention.py --n 1024 4096 --delta 128 64 16 1 --plans all [--s9 --fresh --configs 1 3]
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight --csv \
+        python benchmarks/delta_attention.py --n 1024 --delta 64 --plans NAME --ncu   # one launch per provider
 """
 from __future__ import annotations
 
@@ -84,6 +86,8 @@ def main():
     ap.add_argument("--plans", nargs="*", default=[], help="also time these delta_plans.CANDIDATES ('all': every one)")
     ap.add_argument("--gr-rows", type=int, nargs="*", default=None, help="rows at which GR runs (default: all)")
     ap.add_argument("--s9", action="store_true", help="also time session 9's plan (two launches and folded)")
+    ap.add_argument("--ncu", action="store_true",
+                    help="run each provider once more between cudaProfilerStart/Stop, for ncu --profile-from-start off")
     ap.add_argument("--fresh", action="store_true", help="with --s9: s9_fold with a zeroed counter buffer per call")
     args = ap.parse_args()
 
@@ -149,6 +153,12 @@ def main():
                         out = outs[name] = fn()
                         err = ((out.float() - want).norm() / want.norm()).item()
                         rep = "=" if torch.equal(out, fn()) else "DIFF"
+                        if args.ncu:  # one launch per provider in the profiled range, after its warm-up/autotune
+                            torch.cuda.synchronize()
+                            torch.cuda.cudart().cudaProfilerStart()
+                            fn()
+                            torch.cuda.synchronize()
+                            torch.cuda.cudart().cudaProfilerStop()
                         ms = bench(fn, args.rep)
                     except Exception as e:  # an anchor without this entry point / config
                         print(f"{N:5d} {D:4d} {name:18s} n/a: {type(e).__name__}: {str(e)[:100]}")

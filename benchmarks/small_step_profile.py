@@ -1,12 +1,15 @@
 """Where does a small STU step spend its GPU time: stock Inductor against ``backend="hstu"``?
 
     python benchmarks/small_step_profile.py --batch 4 --n 256 [--train] [--out OUTDIR]
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight --csv \
+        python benchmarks/small_step_profile.py --batch 64 --n 1024 --train --ncu --providers hstu
 
 ``benchmarks/never_slower.py`` finds ``hstu`` slower than Inductor when the whole layer takes well
 under a millisecond (issue 22 item 6). This script compiles the same ``reference.STULayer`` (E=512,
 H=4, D=128, bf16, static shapes, as a first compile sees them) with both, profiles 20 steps with
 ``torch.profiler`` and prints each one's CUDA kernels by total time, so the loss can be attributed to
-kernels (ours or Inductor's) rather than guessed.
+kernels (ours or Inductor's) rather than guessed. ``--ncu``: no profiler; one step after the warm-up runs
+between ``cudaProfilerStart``/``Stop``, so that ``ncu --profile-from-start off`` reads exactly one step's kernels.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ def main():
     ap.add_argument("--providers", nargs="+", default=["inductor", "hstu"],
                     help="inductor, hstu, or hstu_attention / hstu_blocks (only those rewrites; never_slower.PROVIDERS)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ncu", action="store_true", help="profile one step for ncu (see above) instead")
     args = ap.parse_args()
     import hstu_inductor  # registers the backend
     from hstu_inductor.reference import STULayer
@@ -56,6 +60,13 @@ def main():
             for _ in range(3):
                 step()
         torch.cuda.synchronize()
+        if args.ncu:
+            torch.cuda.cudart().cudaProfilerStart()
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            print(f"== {name}: one step profiled for ncu", flush=True)
+            continue
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                                 torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps):

@@ -50,6 +50,23 @@ def tile_variants(label, module, fn, nbytes, variants):
             module.bwd_tile, module.num_partials = orig_tile, orig_parts
 
 
+def fwd_tile_variants(label, module, fn, nbytes, variants):
+    """Time ``fn`` with ``module.tile`` (the forward kernels' row tile) forced to each ``(rows per program,
+    warps)`` variant; ``None`` is the shipped default."""
+    orig = module.tile
+    for v in variants:
+        name = "default" if v is None else "rows=%d warps=%d" % v
+        if v is not None:
+            module.tile = lambda C_, G_, rows_target=0, v=v: (v[0], *orig(C_, G_)[1:3], v[1])
+        try:
+            line(f"{label}: ours {name}", us(fn), nbytes)
+        finally:
+            module.tile = orig
+
+
+FWD_TILES = (None, (1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (16, 16))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=62000)
@@ -72,7 +89,7 @@ def main():
             return F.group_norm(x32, G, w, b, 1e-6).to(x.dtype)
 
         cf = torch.compile(ind_fwd)
-        line("norm fwd: ours", us(lambda: norms.norm_fwd(x, w, b, 1e-6, G)), 2 * L * C * e)
+        fwd_tile_variants("norm fwd", norms, lambda: norms.norm_fwd(x, w, b, 1e-6, G), 2 * L * C * e, FWD_TILES)
         line("norm fwd: inductor", us(lambda: cf(x, w, b)), 2 * L * C * e)
 
         def ind_bwd(dy, x, mean, rstd, w):
@@ -88,7 +105,8 @@ def main():
                       (None, (1, 4, 4), (2, 4, 4), (4, 4, 4), (4, 8, 4), (8, 8, 4), (2, 4, 8), (4, 4, 8), (1, 2, 8),
                        (8, 16, 2)))
         # output block: y = u * Norm(attn) and its backward
-        line("out fwd (y): ours", us(lambda: SB.output_y(x, u, w, b, 1e-6, G, False)), 3 * L * C * e)
+        fwd_tile_variants("out fwd (y)", SB, lambda: SB.output_y(x, u, w, b, 1e-6, G, False), 3 * L * C * e,
+                          FWD_TILES)
 
         def ind_out(a, u, w, b):
             return u * ind_fwd(a, w, b)
@@ -96,7 +114,7 @@ def main():
         co = torch.compile(ind_out)
         line("out fwd (y): inductor", us(lambda: co(a=x, u=u, w=w, b=b)), 3 * L * C * e)
         tile_variants("out bwd", SB, lambda: SB.output_y_bwd(dy, x, u, w, b, mean, rstd, G, False), 5 * L * C * e,
-                      (None, (2, 4, 8), (2, 8, 4), (4, 8, 4), (8, 16, 2)))
+                      (None, (1, 4, 16), (1, 8, 8), (1, 8, 4), (1, 2, 16), (1, 16, 2), (2, 4, 8), (8, 16, 2)))
         xr, ur = (t.detach().requires_grad_() for t in (x, u))
         outc = co(xr, ur, w, b)
         line("out bwd: inductor (autograd of the fwd)",

@@ -20,6 +20,9 @@ against GR's PyTorch-kernel ops. The summary prints hstu vs gr_fused fwd+bwd rat
 Model step: ``HSTUModel`` (4 layers, same layer shape, ``--model-batch`` sequences), forward,
 next-item cross-entropy, backward and an AdamW step; steps/s per provider.
 
+``--mode reduce-overhead`` compiles the Inductor and ``hstu`` providers under CUDA graphs (no host time per
+launch; GR's path stays eager).
+
 Writes ``stu_layer.csv`` and ``stu_layer.png`` under ``--out``.
 """
 from __future__ import annotations
@@ -84,15 +87,20 @@ def provider_options(provider):
     return contextlib.nullcontext()
 
 
-def compile_with(provider, module):
+def compile_with(provider, module, mode=None):
     torch._dynamo.reset()
     if provider == "eager":
         return module
     if provider == "inductor":
-        return torch.compile(module)
+        return torch.compile(module, mode=mode)
     import hstu_inductor  # noqa: F401  (registers backend="hstu")
 
-    return torch.compile(module, backend="hstu")
+    return torch.compile(module, backend="hstu", mode=mode)
+
+
+def step_begin():
+    """A new step for CUDA graph trees (``--mode reduce-overhead``): the last step's outputs may be overwritten."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def bench(fn, rep):
@@ -298,7 +306,7 @@ def run_layer(args, N, device, dtype, rows):
                                    else "GR HammerKernel.PYTORCH (CPU dry run, not GR's fused path)")
                     print(f"  layer N={N} gr_fused: {GR_NOTE if kernel == 'triton' else row['note']}", flush=True)
                 else:
-                    model = compile_with(prov, layer)
+                    model = compile_with(prov, layer, args.mode)
                     params, as_ours = list(layer.parameters()), (lambda gs: dict(zip(names, gs)))
                 xx = x.detach().requires_grad_()
                 if prov != "gr_fused":
@@ -332,10 +340,12 @@ def run_layer(args, N, device, dtype, rows):
                     print(f"  layer N={N} {prov}: not timed (wrong result; --time-wrong times it anyway)", flush=True)
                 else:
                     def fwd():
+                        step_begin()
                         with torch.no_grad():
                             return model(x, off, N, nt)
 
                     def fwd_bwd():
+                        step_begin()
                         o = model(xx, off, N, nt)
                         return torch.autograd.grad(o, (xx, *params), dout)
 
@@ -468,6 +478,8 @@ def main():
     ap.add_argument("--no-model", action="store_true", help="skip the HSTUModel training-step benchmark")
     ap.add_argument("--no-layer", action="store_true", help="skip the single-layer benchmark")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each layer fwd+bwd")
+    ap.add_argument("--mode", default=None, choices=[None, "reduce-overhead", "max-autotune-no-cudagraphs"],
+                    help="torch.compile mode of the compiled layer providers (default: Inductor's default)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep time in ms")
     ap.add_argument("--tol", type=float, default=2e-2,

@@ -56,6 +56,14 @@ CANDIDATES = {
     "m64n32s3w4q": Plan(64, 32, 3, 4, 3, qsmem=True),  # 148 / 64 / 3 (today's 64-row plan: 162 / 64 / 3)
     "m64n32s3w4qt": Plan(64, 32, 3, 4, 3, qsmem=True, tma=True),  # 120 / 65 / 3
     "m64n32s2w4qt": Plan(64, 32, 2, 4, 4, qsmem=True, tma=True),  # 120 / 48 / 4: 512 row blocks in one wave
+    # session 13, for the 64-row gap (comments from a compile at 64 rows, split 1)
+    "m64n32s3w8qt": Plan(64, 32, 3, 8, 2, qsmem=True, tma=True),  # 95 / 65 / 2: the 128-row plan's shape
+    "m64n64s2w4qt": Plan(64, 64, 2, 4, 2, qsmem=True, tma=True),  # 156 / 81 / 2: half the key steps
+    # 32-row blocks at 64 rows: two programs per (sequence, head), the second reads K/V from L2 (twice the row
+    # blocks of the 64-row plan: 1024 at B=128, H=4, in about 1.5 waves)
+    "m32n32s3w4": Plan(32, 32, 3, 4, 4),  # 106 / 42 / 4
+    "m32n32s3w4t": Plan(32, 32, 3, 4, 5, tma=True),  # 96 / 42 / 5
+    "m32n64s2w4qt": Plan(32, 64, 2, 4, 3, qsmem=True, tma=True),  # 132 / 44 / 3
     # <= 16 rows, for the bandwidth target: descriptors instead of per-thread addresses
     "m16n32s3w4t": Plan(16, 32, 3, 4, 5, tma=True),  # 80 / 37 / 5 (as today's)
     "m16n64s2w4t": Plan(16, 64, 2, 4, 5, tma=True),  # 94 / 38 / 5

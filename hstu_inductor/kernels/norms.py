@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .common import interpret, launch, new_tensor, rowmajor
 
-__all__ = ["norm_fwd", "norm_bwd", "supported_channels"]
+__all__ = ["norm_fwd", "norm_bwd", "supported_channels", "ones_column_width"]
 
 # Widest row the one-tile-per-row kernels take (fp32 tile in registers); wider rows use ATen.
 MAX_TILE = 16384
@@ -31,6 +31,18 @@ def supported_channels(channels: int, groups: int) -> bool:
     # block sizes are compile-time constants: a symbolic channel count is specialised here
     channels, g = int(channels), max(int(groups), 1)
     return channels % g == 0 and triton.next_power_of_2(g) * triton.next_power_of_2(channels // g) <= MAX_TILE
+
+
+ONES_BLOCK = 64  # see ones_column_width; the kernels' ``ONES`` tile of the ones/zeros columns (0: none)
+
+
+def ones_column_width(C: int) -> int:
+    """Width of a ``[L, C]`` GEMM operand stored with a ones column: column C is 1, the rest up to a multiple of
+    64 is 0, so that ``grad^T @ operand`` also yields the bias gradient ``grad.sum(0)`` as its column C (one
+    GEMM instead of the GEMM plus a pass over ``grad``; ``reference.stu.linear_param_grads``). Rounded to 64
+    columns: the forward GEMM reads the ``[:, :C]`` view with that row stride (H100, L=62k, C=512: 208 us at
+    stride 576 against 206 at 512, 217 at 520; benchmarks/bias_grad_gemm.py, RESULTS.md session 13)."""
+    return -(-(int(C) + 1) // ONES_BLOCK) * ONES_BLOCK
 
 
 def tile(C: int, G: int, rows_target: int = 4096):
@@ -91,6 +103,14 @@ def row_tile(row0, L, G, D, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def store_ones_column(Y, rows2, L, stride_y, C, n, BLOCK: tl.constexpr):
+    """Columns ``[C, C + n)`` (``n <= BLOCK``) of the tile's rows (``rows2: [R, 1]``): 1 in column C, 0 after
+    (:func:`ones_column_width`)."""
+    p = tl.arange(0, BLOCK)[None, :]
+    tl.store(Y + rows2 * stride_y + C + p, (p == 0).to(Y.dtype.element_ty), mask=(rows2 < L) & (p < n))
+
+
+@triton.jit
 def normalize(x, mask, D, eps):
     """(xhat, mean, rstd) of an fp32 [R, G, D] tile over its last axis; padding lanes of xhat are 0."""
     mean = tl.sum(x, axis=2) / D
@@ -146,8 +166,8 @@ def store_partials(DW_PART, DB_PART, acc_dw, acc_db, pid, C, ch0, cmask, NEED_DW
 
 
 @triton.jit
-def _norm_fwd_kernel(X, Y, W, B, MEAN, RSTD, L, stride_x, stride_y, G, D, eps,
-                     HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+def _norm_fwd_kernel(X, Y, W, B, MEAN, RSTD, L, stride_x, stride_y, G, D, eps, n_ones,
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ONES: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
     rows, ch, cmask, mask, rows2, g2, mask2 = row_tile(tl.program_id(0) * BLOCK_R, L, G, D, BLOCK_R, BLOCK_G,
@@ -160,6 +180,8 @@ def _norm_fwd_kernel(X, Y, W, B, MEAN, RSTD, L, stride_x, stride_y, G, D, eps,
     if HAS_B:
         y = y + tl.load(B + ch, mask=cmask, other=0.0).to(tl.float32)
     tl.store(Y + rows * stride_y + ch, y.to(Y.dtype.element_ty), mask=mask)
+    if ONES:
+        store_ones_column(Y, rows2, L, stride_y, G * D, n_ones, ONES)
     tl.store(MEAN + rows2 * G + g2, mean, mask=mask2)
     tl.store(RSTD + rows2 * G + g2, rstd, mask=mask2)
 
@@ -192,19 +214,21 @@ def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, L, stride_dy, s
 # --------------------------------------------------------------------------------------------
 
 
-def norm_fwd(x, weight, bias, eps: float, groups: int = 1):
-    """``(y [L, C] in x.dtype, mean [L, G] fp32, rstd [L, G] fp32)``."""
+def norm_fwd(x, weight, bias, eps: float, groups: int = 1, ones_column: bool = False):
+    """``(y [L, C] in x.dtype, mean [L, G] fp32, rstd [L, G] fp32)``; with ``ones_column`` y is
+    ``[L, ones_column_width(C)]`` whose first C columns are the result."""
     x = rowmajor(x)
     L, C = x.shape
     G = max(groups, 1)
     D = C // G
-    y = new_tensor((L, C), x.dtype, x.device)
+    width = ones_column_width(C) if ones_column else C
+    y = new_tensor((L, width), x.dtype, x.device)
     mean = new_tensor((L, G), torch.float32, x.device)
     rstd = new_tensor((L, G), torch.float32, x.device)
     br, bg, bd, warps = tile(C, G)
     launch(_norm_fwd_kernel, (triton.cdiv(L, br),), x, y, weight, bias, mean, rstd, L, x.stride(0), y.stride(0),
-           G, D, eps, HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_R=br, BLOCK_G=bg, BLOCK_D=bd,
-           num_warps=warps)
+           G, D, eps, width - C, HAS_W=weight is not None, HAS_B=bias is not None, ONES=ONES_BLOCK * ones_column,
+           BLOCK_R=br, BLOCK_G=bg, BLOCK_D=bd, num_warps=warps)
     return y, mean, rstd
 
 

@@ -6,14 +6,16 @@ preprocess  ``uvqk = LayerNorm(x) @ W^T + b; act = silu(u)`` (or ``silu(uvqk)``)
     backward: the normalised x, the statistics and the pre-activations are either saved by the
               forward (``stu_preprocess_save``) or recomputed (LayerNorm kernel plus a matmul of
               only the u columns unless ``silu_all``) -> the silu backward added to ``d_uvqk``
-              (ATen) -> ``dW``, ``db``, ``d_normed`` by cuBLAS -> LayerNorm backward kernel.
+              (ATen) -> ``dW`` and ``db`` (one GEMM: the forward stored ``normed`` with a ones column,
+              ``norms.ones_column_width``), ``d_normed`` by cuBLAS -> LayerNorm backward kernel.
 output      ``out = x + drop([u, attn,] u * Norm(attn)) @ W^T + b``  (Norm: layer or per-head group)
     forward : one kernel normalises attn (fp32 stats), multiplies by u, applies dropout and
               writes the projection input (for ``concat_ua`` the ``[L, 3C]`` buffer ``[u, attn, y]``
-              directly, no cat) -> ``addmm`` with the residual as the matmul's C input, bias added once.
-    backward: the projection input (needed for ``dW``) and the statistics are saved by the
-              forward (``stu_output_save``) or recomputed by the forward kernel -> ``d_y = grad @ W``, ``dW = grad^T @ y``, ``db`` by cuBLAS/ATen -> one
-              kernel producing ``d_attn``, ``d_u`` and norm dweight/dbias partials.
+              directly, no cat; with a bias followed by a ones column) -> ``addmm`` with the bias in its
+              epilogue -> the residual added (:func:`stu_output_fwd`).
+    backward: the projection input and the statistics are saved by the forward (``stu_output_save``) or
+              recomputed by the forward kernel -> ``d_y = grad @ W`` and ``[dW | db] = grad^T @ [y | 1]``
+              by cuBLAS -> one kernel producing ``d_attn``, ``d_u`` and norm dweight/dbias partials.
 Dropout masks are regenerated from ``(seed, flat index)`` (:mod:`.rng`); nothing is saved.
 
 All tensors are ``[rows, channels]`` with a contiguous last dim (host wrappers make them so).
@@ -25,10 +27,11 @@ import triton
 import triton.language as tl
 
 from ..reference.dropout import keep_threshold
-from ..reference.stu import uvqk_grad
+from ..reference.stu import linear_param_grads, uvqk_grad
 from .common import launch, new_tensor, rowmajor
-from .norms import (affine_norm_grad, bwd_tile, norm_bwd, norm_fwd, normalize, num_partials, row_tile,
-                    store_partials, supported_channels, tile, xhat_from_stats)
+from .norms import (ONES_BLOCK, affine_norm_grad, bwd_tile, norm_bwd, norm_fwd, normalize, num_partials,
+                    ones_column_width, row_tile, store_ones_column, store_partials, supported_channels, tile,
+                    xhat_from_stats)
 from .rng import keep, seed_keys
 
 __all__ = ["supported_channels", "output_y", "output_y_bwd", "linear", "stu_output_fwd", "stu_output_bwd",
@@ -49,8 +52,8 @@ def _dropped(v, idx, k1, k2, thresh, scale, DROPOUT: tl.constexpr):
 
 @triton.jit
 def _out_fwd_kernel(A, U, Y, W, B, MEAN, RSTD, SEED, L, stride_a, stride_u, stride_y, G, D, eps, thresh, scale,
-                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, CONCAT: tl.constexpr, DROPOUT: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+                    n_ones, HAS_W: tl.constexpr, HAS_B: tl.constexpr, CONCAT: tl.constexpr, DROPOUT: tl.constexpr,
+                    ONES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     eps, scale = tl.cast(eps, tl.float32), tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     rows, ch, cmask, mask, rows2, g2, mask2 = row_tile(tl.program_id(0) * BLOCK_R, L, G, D, BLOCK_R, BLOCK_G,
                                                        BLOCK_D)
@@ -79,6 +82,8 @@ def _out_fwd_kernel(A, U, Y, W, B, MEAN, RSTD, SEED, L, stride_a, stride_u, stri
     else:
         tl.store(Y + rows * stride_y + ch, _dropped(y, rows * C + ch, k1, k2, thresh, scale, DROPOUT)
                  .to(Y.dtype.element_ty), mask=mask)
+    if ONES:  # after the (dropped) projection input, never dropped itself
+        store_ones_column(Y, rows2, L, stride_y, (3 if CONCAT else 1) * C, n_ones, ONES)
     tl.store(MEAN + rows2 * G + g2, mean, mask=mask2)
     tl.store(RSTD + rows2 * G + g2, rstd, mask=mask2)
 
@@ -149,21 +154,24 @@ def _dropout_args(dropout_p: float, seed, device):
 
 
 def output_y(attn, u, norm_weight, norm_bias, eps: float, groups: int, concat_ua: bool, dropout_p: float = 0.0,
-             seed=None):
+             seed=None, ones_column: bool = False):
     """The projection input ``drop(u * Norm(attn))`` (or ``drop([u, attn, u * Norm(attn)])``) in
-    attn's dtype, plus fp32 ``mean, rstd [L, G]``."""
+    attn's dtype, plus fp32 ``mean, rstd [L, G]``; with ``ones_column`` the input is followed by a ones column
+    (``norms.ones_column_width``)."""
     attn, u = rowmajor(attn), rowmajor(u)
     L, C = attn.shape
     G = max(groups, 1)
     drop, seed_t, thresh, scale = _dropout_args(dropout_p, seed, attn.device)
-    y = new_tensor((L, 3 * C if concat_ua else C), attn.dtype, attn.device)
+    cols = 3 * C if concat_ua else C
+    width = ones_column_width(cols) if ones_column else cols
+    y = new_tensor((L, width), attn.dtype, attn.device)
     mean = new_tensor((L, G), torch.float32, attn.device)
     rstd = new_tensor((L, G), torch.float32, attn.device)
     br, bg, bd, warps = tile(C, G, rows_target=2048)
     launch(_out_fwd_kernel, (triton.cdiv(L, br),), attn, u, y, norm_weight, norm_bias, mean, rstd, seed_t, L,
-           attn.stride(0), u.stride(0), y.stride(0), G, C // G, eps, thresh, scale,
+           attn.stride(0), u.stride(0), y.stride(0), G, C // G, eps, thresh, scale, width - cols,
            HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, CONCAT=concat_ua, DROPOUT=drop,
-           BLOCK_R=br, BLOCK_G=bg, BLOCK_D=bd, num_warps=warps)
+           ONES=ONES_BLOCK * ones_column, BLOCK_R=br, BLOCK_G=bg, BLOCK_D=bd, num_warps=warps)
     return y, mean, rstd
 
 
@@ -196,9 +204,11 @@ def stu_output_fwd(attn, u, x, norm_weight, norm_bias, eps, groups, weight, bias
     """``(x + drop(y) @ weight^T (+ bias), y, mean, rstd)``: the bias in the matmul's epilogue, the residual
     added after it. (With the residual as addmm's C input, addmm first copies x into its output, and the bias
     took one more pass: 165 us against 129 us for these two kernels at L=62k, E=512 on H100, RESULTS.md
-    session 12; under Inductor the add is one fused pointwise kernel.)"""
-    y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed)
-    return linear(y, weight, bias) + x, y, mean, rstd
+    session 12; under Inductor the add is one fused pointwise kernel.) With a bias, ``y`` carries a ones
+    column, so that the backward's weight-gradient GEMM also gives the bias gradient."""
+    y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed,
+                             ones_column=bias is not None)
+    return linear(y[:, :weight.shape[1]], weight, bias) + x, y, mean, rstd
 
 
 def stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, groups, weight, bias, concat_ua, dropout_p=0.0,
@@ -206,15 +216,15 @@ def stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, groups, weight
     """Gradients ``[d_attn, d_u, d_x, d_norm_weight, d_norm_bias, d_weight, d_bias]`` (Nones dropped).
     Without the forward's ``y, mean, rstd`` the forward kernel recomputes them."""
     if y is None:
-        y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed)
+        y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed,
+                                 ones_column=bias is not None)
     d_y = grad.mm(weight)
-    d_w = grad.t().mm(y)
+    d_w, d_b = linear_param_grads(grad, y, weight.shape[1], bias is not None)
     d_attn, d_u, d_nw, d_nb = output_y_bwd(d_y, attn, u, norm_weight, norm_bias, mean, rstd, groups, concat_ua,
                                            dropout_p, seed)
     grads = [d_attn, d_u, grad.clone(),
              d_nw.to(norm_weight.dtype) if norm_weight is not None else None,
-             d_nb.to(norm_bias.dtype) if norm_bias is not None else None,
-             d_w, grad.sum(0) if bias is not None else None]
+             d_nb.to(norm_bias.dtype) if norm_bias is not None else None, d_w, d_b]
     return [g for g in grads if g is not None]
 
 
@@ -237,9 +247,10 @@ def linear(inp, weight, bias):
 
 def preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias):
     """``(normed, uvqk, mean [L, 1], rstd [L, 1])``: LayerNorm kernel, then the projection on cuBLAS
-    (the op splits ``uvqk`` into its outputs)."""
-    normed, mean, rstd = norm_fwd(x, ln_weight, ln_bias, eps)
-    return normed, linear(normed, weight, bias), mean, rstd
+    (the op splits ``uvqk`` into its outputs). With a bias, ``normed`` carries a ones column
+    (``norms.ones_column_width``): the backward's weight-gradient GEMM then also gives the bias gradient."""
+    normed, mean, rstd = norm_fwd(x, ln_weight, ln_bias, eps, ones_column=bias is not None)
+    return normed, linear(normed[:, :x.shape[1]], weight, bias), mean, rstd
 
 
 def stu_preprocess_bwd(d_act, d_uvqk, x, ln_weight, ln_bias, eps, weight, bias, u_dim, qk_dim, silu_all,
@@ -247,15 +258,15 @@ def stu_preprocess_bwd(d_act, d_uvqk, x, ln_weight, ln_bias, eps, weight, bias, 
     """Gradients ``[d_x, d_ln_weight, d_ln_bias, d_weight, d_bias]`` (Nones dropped) from those of the
     op's ``(act, uvqk)`` (None: zero). Without the forward's intermediates it recomputes the
     normalised x and the pre-activations the silu backward needs (only the u columns unless silu_all)."""
+    E = x.shape[1]
     if normed is None:
-        normed, mean, rstd = norm_fwd(x, ln_weight, ln_bias, eps)
+        normed, mean, rstd = norm_fwd(x, ln_weight, ln_bias, eps, ones_column=bias is not None)
         if silu_all:
-            uvqk = linear(normed, weight, bias)
+            uvqk = linear(normed[:, :E], weight, bias)
         else:
-            uvqk = linear(normed, weight[:u_dim], bias[:u_dim] if bias is not None else None)
+            uvqk = linear(normed[:, :E], weight[:u_dim], bias[:u_dim] if bias is not None else None)
     d_p = uvqk_grad(d_act, d_uvqk, uvqk, weight.shape[0])
-    d_w = d_p.t().mm(normed)
-    d_b = d_p.sum(0) if bias is not None else None
+    d_w, d_b = linear_param_grads(d_p, normed, E, bias is not None)
     d_normed = d_p.mm(weight)
     dx, d_lw, d_lb = norm_bwd(d_normed, x, ln_weight, mean, rstd, 1, need_db=ln_bias is not None)
     grads = [dx, d_lw.to(ln_weight.dtype) if ln_weight is not None else None,

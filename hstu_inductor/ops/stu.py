@@ -25,7 +25,7 @@ from torch.library import triton_op
 
 from ..reference.dropout import dropout_keep_mask
 from ..reference.jagged import require
-from ..reference.stu import preprocess_views, uvqk_grad
+from ..reference.stu import linear_param_grads, preprocess_views, uvqk_grad
 from ._kernels import stu_kernels
 
 __all__ = ["stu_preprocess", "stu_preprocess_save", "preprocess_views", "stu_output", "stu_output_save",
@@ -142,8 +142,9 @@ def stu_preprocess_save(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optiona
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`stu_preprocess` that also returns the intermediates its backward needs, so that the
     backward reads them instead of recomputing them: ``(act, uvqk, normed, mean, rstd)`` with
-    ``normed`` the LayerNorm output (``x.dtype``) and ``mean``/``rstd`` ``[L, 1]`` statistics (fp32 or
-    wider); the backward reads its pre-activations from ``uvqk``. The forward computes all of them
+    ``normed`` the LayerNorm output (``x.dtype``; on the kernel path with a bias ``[L, E']``, the output in its
+    first E columns followed by a ones column, ``kernels.norms.ones_column_width``) and ``mean``/``rstd``
+    ``[L, 1]`` statistics (fp32 or wider); the backward reads its pre-activations from ``uvqk``. The forward computes all of them
     anyway; saving costs memory (``normed``, and ``uvqk`` where the attention's v, q, k views do not
     keep it alive anyway: with ``silu_all``), not time. ``hstu_inductor.config.block_backward``
     selects which op the pattern emits."""
@@ -181,7 +182,7 @@ def stu_preprocess_bwd(d_act: Optional[Tensor], d_uvqk: Optional[Tensor], x: Ten
     if normed is None:
         normed, uvqk, mean, rstd = _preprocess_projection(x, ln_weight, ln_bias, eps, weight, bias)
     grad = uvqk_grad(d_act, d_uvqk, uvqk, weight.shape[0])
-    grads = [None, None, None, grad.t().mm(normed), grad.sum(0) if bias is not None else None]
+    grads = [None, None, None, *linear_param_grads(grad, normed, x.shape[1], bias is not None)]
     d_normed = grad.mm(weight)
     grads[0], grads[1], grads[2] = _norm_bwd(d_normed.to(_stats_dtype(x)), x, mean, rstd, ln_weight, ln_bias, 0)
     # contiguous: real and fake (meta) strides of mm/transposes can differ; callers get dense grads.
@@ -240,7 +241,8 @@ def stu_output_save(attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Te
                     eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor], concat_ua: bool,
                     dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`stu_output` that also returns what its backward reads instead of recomputing:
-    ``(out, y, mean, rstd)``, ``y`` the projection input after dropout (``[L, C]`` or ``[L, 3C]``)
+    ``(out, y, mean, rstd)``, ``y`` the projection input after dropout (``[L, C]`` or ``[L, 3C]``; on the kernel
+    path with a bias followed by a ones column, as ``normed`` of :func:`stu_preprocess_save`)
     and ``mean``/``rstd`` ``[L, max(norm_groups, 1)]`` statistics (fp32 or wider)."""
     _check_output(attn, u, x, weight, concat_ua, dropout_p, seed)
     kern = _kernels_for(attn, u, x, weight, bias, norm_params=(norm_weight, norm_bias), channels=attn.shape[1],
@@ -283,8 +285,7 @@ def stu_output_bwd(grad: Tensor, attn: Tensor, u: Tensor, x: Tensor, norm_weight
         normed = _normed_from_stats(attn, mean, rstd, norm_weight, norm_bias, norm_groups)
         drop = _dropout_scale(y, dropout_p, seed)
     d_y = grad.mm(weight)
-    d_w = grad.t().mm(y)
-    d_b = grad.sum(0) if bias is not None else None
+    d_w, d_b = linear_param_grads(grad, y, weight.shape[1], bias is not None)
     if drop is not None:
         d_y = d_y * drop
     if concat_ua:

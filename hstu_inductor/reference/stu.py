@@ -19,7 +19,7 @@ def _stats(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-__all__ = ["split_activate", "preprocess_views", "uvqk_grad", "stu_preprocess", "stu_output", "stu_layer", "STULayer",
+__all__ = ["split_activate", "preprocess_views", "uvqk_grad", "linear_param_grads", "stu_preprocess", "stu_output", "stu_layer", "STULayer",
            "HSTUModel"]
 
 
@@ -52,6 +52,17 @@ def uvqk_grad(d_act, d_uvqk, pre, width):
     if grad.shape[1] < width:
         grad = F.pad(grad, (0, width - grad.shape[1]))
     return grad if d_uvqk is None else d_uvqk + grad
+
+
+def linear_param_grads(grad, inp, width, has_bias):
+    """``(d_weight, d_bias or None)`` of ``F.linear(inp[:, :width], weight, bias)`` from its output gradient
+    ``grad: [L, out]``. ``inp`` wider than ``width`` holds a ones column at ``width`` (the STU kernels store
+    their projection inputs so, ``kernels.norms.ones_column_width``): then one GEMM yields both, the bias
+    gradient as its column ``width``, instead of a GEMM plus a pass over ``grad``."""
+    if inp.shape[1] > width:
+        both = grad.t().mm(inp)
+        return both[:, :width], (both[:, width] if has_bias else None)
+    return grad.t().mm(inp), (grad.sum(0) if has_bias else None)
 
 
 def stu_preprocess(x, ln_weight, ln_bias, w_uvqk, b_uvqk, num_heads, attn_dim, hidden_dim, eps=1e-6, silu_all=False):

@@ -436,6 +436,26 @@ def test_stu_preprocess_op_kernels_raw_outputs(kernels_on_cpu, silu_all, mode):
         assert rel_err(a, r) < GTOL[dtype]
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_saved_projection_inputs_carry_a_ones_column(kernels_on_cpu, bias):
+    """With a bias, the kernel path stores both projection inputs (normed x, the output block's y) with a ones
+    column after them, zeros up to ``ones_column_width`` (their backwards take the bias gradient from the
+    weight-gradient GEMM); without one, the plain ``[L, C]``. Odd widths: the padding is not a power of two."""
+    from hstu_inductor.kernels.norms import ones_column_width
+    L, E, C = 13, 20, 12
+    g = gen(70)
+    x, attn, u = rand((L, E), torch.float32, g), rand((L, C), torch.float32, g), rand((L, C), torch.float32, g)
+    wp, wo = rand((4 * C, E), torch.float32, g, 0.3), rand((E, 3 * C), torch.float32, g, 0.2)
+    bp, bo = (rand((4 * C,), torch.float32, g), rand((E,), torch.float32, g)) if bias else (None, None)
+    normed = ops.stu_preprocess_save(x, None, None, 1e-5, wp, bp, C, C, False)[2]
+    y = ops.stu_output_save(attn, u, x, None, None, 1e-5, 0, wo, bo, True)[1]
+    for t, cols in ((normed, E), (y, 3 * C)):
+        assert t.shape == (L, ones_column_width(cols) if bias else cols)
+        if bias:
+            assert torch.equal(t[:, cols], torch.ones(L)) and not t[:, cols + 1:].any()
+    assert rel_err(normed[:, :E], F.layer_norm(x.double(), (E,), eps=1e-5)) < 1e-5
+
+
 def test_split_activate_and_uvqk_grad_direct():
     L, UD, QD = 9, 5, 3
     g = gen(70)
