@@ -86,6 +86,8 @@ def main():
     ap.add_argument("--plans", nargs="*", default=[], help="also time these delta_plans.CANDIDATES ('all': every one)")
     ap.add_argument("--gr-rows", type=int, nargs="*", default=None, help="rows at which GR runs (default: all)")
     ap.add_argument("--s9", action="store_true", help="also time session 9's plan (two launches and folded)")
+    ap.add_argument("--cudagraph", action="store_true",
+                    help="time each provider's launch replayed from a CUDA graph (do_bench_cudagraph): no host time")
     ap.add_argument("--ncu", action="store_true",
                     help="run each provider once more between cudaProfilerStart/Stop, for ncu --profile-from-start off")
     ap.add_argument("--fresh", action="store_true", help="with --s9: s9_fold with a zeroed counter buffer per call")
@@ -95,6 +97,13 @@ def main():
     from hstu_inductor.kernels import delta as Kd
     from hstu_inductor.kernels import delta_plans as P
 
+    if args.cudagraph:
+        from triton.testing import do_bench_cudagraph
+
+        def timer(fn, rep):
+            return do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    else:
+        timer = bench
     plans = {name: P.CANDIDATES[name] for name in (P.CANDIDATES if args.plans == ["all"] else args.plans)}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     B, H, Dm = args.batch, args.heads, args.dim
@@ -159,7 +168,7 @@ def main():
                             fn()
                             torch.cuda.synchronize()
                             torch.cuda.cudart().cudaProfilerStop()
-                        ms = bench(fn, args.rep)
+                        ms = timer(fn, args.rep)
                     except Exception as e:  # an anchor without this entry point / config
                         print(f"{N:5d} {D:4d} {name:18s} n/a: {type(e).__name__}: {str(e)[:100]}")
                         continue

@@ -314,8 +314,11 @@ def run_layer(args, N, device, dtype, rows):
                     for t in (x, xx, off, nt):
                         torch._dynamo.maybe_mark_dynamic(t, 0)
                 with collecting() as report:
+                    step_begin()
                     out = model(xx, off, N, nt)
                     g = torch.autograd.grad(out, (xx, *params), dout)
+                    out, g = out.detach().clone(), [t.clone() for t in g]  # a CUDA graph replay reuses them
+                    step_begin()
                     with torch.no_grad():
                         model(x, off, N, nt)
                 if prov.startswith("hstu"):

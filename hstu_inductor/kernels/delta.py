@@ -246,7 +246,7 @@ def delta_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targ
     B = seq_offsets.shape[0] - 1
     D = delta_q.shape[0] // B if B > 0 else 0
     if B > 0 and 0 < D and D * B == delta_q.shape[0]:
-        plan = P.default_plan(D, delta_q.dtype == torch.float32)
+        plan = P.default_plan(D, delta_q.dtype == torch.float32, max_seq_len)
         if plan is not None:
             return delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
                                  max_attn_len, contextual_seq_len, plan=plan, tma=tma)
@@ -254,12 +254,12 @@ def delta_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targ
                                       max_attn_len, contextual_seq_len, tma=tma)
 
 
-def _plan_for(D, dtype, plan, config):
-    """``plan`` (default: ``PLANS``' for D rows, or its last plan beyond them), with ``config`` ((BLOCK_N, stages,
+def _plan_for(D, dtype, plan, config, max_seq_len=0):
+    """``plan`` (default: ``PLANS``' (or ``LONG``'s) for D rows, or its last plan beyond them), with ``config`` ((BLOCK_N, stages,
     warps), or the ``HSTU_INDUCTOR_DELTA_CONFIG`` index into ``_CONFIGS``) replacing its tile and pipeline."""
     fp32 = dtype == torch.float32
     if plan is None:
-        plan = P.default_plan(D, fp32) or P.default_plan(P.max_rows(), fp32)
+        plan = P.default_plan(D, fp32, max_seq_len) or P.default_plan(P.max_rows(), fp32)
     elif fp32:  # fp32 tiles are twice as wide: the fp32 pipeline, whatever the plan
         plan = plan._replace(block_m=min(plan.block_m, P.FP32_MAX_BLOCK_M), **P.FP32)
     pick = os.environ.get("HSTU_INDUCTOR_DELTA_CONFIG")
@@ -298,7 +298,7 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
     flags = A._flags(True, num_targets, max_attn_len, contextual_seq_len, 0)
     flags.pop("HAS_MINFULL")
     bdq, bdv = A._block_d(Dq), A._block_d(Dv)
-    plan = _plan_for(D, delta_q.dtype, plan, config)
+    plan = _plan_for(D, delta_q.dtype, plan, config, max_seq_len)
     use_tma = _use_tma(tma, plan, delta_q.device, k, v)
     n_blocks = -(-D // plan.block_m)
     programs = B * H * n_blocks

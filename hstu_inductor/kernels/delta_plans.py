@@ -37,6 +37,13 @@ PLANS = (
     (128, Plan(128, 32, 3, 8, 2, qsmem=True, tma=True)),
 )
 
+# Longer caches: for the rows of a PLANS bound, at max_seq_len >= the given keys, this plan instead. 33..64 rows
+# from 2048 keys: 64-row blocks in one wave with K/V by TMA. H100, B=128: 0.3520 ms against 0.3791 (the PLANS
+# plan) and 0.3524 for GR's best at N=4096; at N=1024 it is 0.1244 against 0.1124 eagerly (its launch costs more
+# host time than the 0.1 ms kernel hides), though faster from a CUDA graph (0.0963 against 0.1015) and under ncu
+# (95.9 against 103.2 us). RESULTS.md session 13.
+LONG = {64: (2048, Plan(64, 32, 2, 4, 4, qsmem=True, tma=True))}
+
 # fp32 inputs (3-pass tf32 dots: twice the tile bytes): 8 warps, row blocks of at most 64, one program per SM
 FP32 = dict(block_n=32, stages=3, warps=8, per_sm=1, maxnreg=0, qsmem=False, tma=False)
 FP32_MAX_BLOCK_M = 64
@@ -70,12 +77,20 @@ CANDIDATES = {
 }
 
 
-def default_plan(rows: int, fp32: bool = False) -> Optional[Plan]:
-    """The plan ``PLANS`` gives ``rows`` delta rows per sequence (None: the full forward's row blocks)."""
+def default_plan(rows: int, fp32: bool = False, max_seq_len=0) -> Optional[Plan]:
+    """The plan ``PLANS`` gives ``rows`` delta rows per sequence (None: the full forward's row blocks), or
+    ``LONG``'s for its bound at ``max_seq_len`` keys and more (16-bit inputs; a symbolic ``max_seq_len`` is
+    decided on its hint and guarded)."""
     for bound, plan in PLANS:
         if rows <= bound:
             if plan is not None and fp32:
                 return plan._replace(block_m=min(plan.block_m, FP32_MAX_BLOCK_M), **FP32)
+            if plan is not None and bound in LONG and not fp32:
+                from .._compat import guarded
+
+                min_keys, long_plan = LONG[bound]
+                if guarded(max_seq_len >= min_keys):
+                    return long_plan
             return plan
     return None
 

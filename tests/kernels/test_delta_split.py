@@ -170,6 +170,18 @@ def test_plan_table(monkeypatch):
     assert calls == [("plan", 16), ("rowblk",), ("plan", 128), ("plan", 64), ("rowblk",)]
 
 
+def test_long_cache_plan():
+    """LONG: the rows of its bound take its plan from its key count on (16-bit only); fewer keys, fp32 inputs and
+    other rows keep PLANS'."""
+    P = delta_plans
+    for bound, (min_keys, plan) in P.LONG.items():
+        short = P.default_plan(bound, max_seq_len=min_keys - 1)
+        assert short != plan and P.default_plan(bound, max_seq_len=min_keys) == plan
+        assert P.default_plan(bound, fp32=True, max_seq_len=min_keys) == P.default_plan(bound, fp32=True)
+        below = max(b for b, _ in P.PLANS if b < bound)
+        assert P.default_plan(below, max_seq_len=min_keys) == P.default_plan(below)
+
+
 def test_tma_switch(monkeypatch):
     """K/V descriptors: the op's tma=False wins over a plan's, tma=None follows the plan where usable."""
     x = torch.empty(8, 2, 16)
