@@ -310,6 +310,41 @@ def test_stu_output_op_kernels(kernels_on_cpu, dtype, groups, concat, bias, affi
         assert rel_err(a, r.grad) < GTOL[dtype], name
 
 
+SILU_U_CASES = [  # (mode, groups, concat, p)
+    ("recompute", 0, False, 0.0),
+    ("save", 0, True, 0.3),
+    ("recompute", 3, True, 0.0),
+    ("save", 3, False, 0.3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode,groups,concat,p", SILU_U_CASES)
+def test_stu_output_op_kernels_silu_u(kernels_on_cpu, dtype, mode, groups, concat, p):
+    """``silu_u=True`` on pre-activations (silu in the kernels) equals the op on ``silu(u)``: the output and
+    every gradient, u's w.r.t. the pre-activation (fp64 autograd through the silu; and the op with
+    ``silu_u=False`` behind torch's silu)."""
+    L, C, E = 29, 24, 20
+    attn, u_pre, nw, nb = _out_inputs(L, C, max(groups, 1), dtype, True, 140 + groups)
+    g = gen(141)
+    x = rand((L, E), dtype, g)
+    w = rand((E, C * (3 if concat else 1)), dtype, g, 0.2)
+    b = rand((E,), dtype, g, 0.1)
+    seed = seed_tensor(77) if p > 0 else None
+    leaves = [t.requires_grad_() for t in (attn, u_pre, x, nw, nb, w, b)]
+    out = OUT_OPS[mode](attn, u_pre, x, nw, nb, 1e-5, groups, w, b, concat, p, seed, True)
+    unfused = OUT_OPS[mode](attn, F.silu(u_pre), x, nw, nb, 1e-5, groups, w, b, concat, p, seed)
+    a64, u64, x64, nw64, nb64, w64, b64 = leaf64(*leaves)
+    ref = ref_stu_output(a64, F.silu(u64), x64, nw64, nb64, 1e-5, groups, w64, b64, concat, p, seed)
+    assert rel_err(out, ref) < TOL[dtype] * 2 and rel_err(out, unfused) < TOL[dtype] * 2
+    grad = rand(out.shape, dtype, gen(142))
+    got = torch.autograd.grad(out, leaves, grad)
+    want = torch.autograd.grad(unfused, leaves, grad)
+    ref.backward(grad.double().cpu())
+    for name, a, c, r in zip("attn u x nw nb w b".split(), got, want, (a64, u64, x64, nw64, nb64, w64, b64)):
+        assert rel_err(a, r.grad) < GTOL[dtype] and rel_err(a, c) < GTOL[dtype], name
+
+
 def test_fp32_norm_params_with_fp16_activations(kernels_on_cpu):
     """Mixed precision: fp32 norm weights with fp16 activations take the kernel path; their grads
     come back in fp32."""
