@@ -633,3 +633,55 @@ def test_gpu_stu_ops_under_torch_compile(concat, p):
     gc = torch.autograd.grad(compiled.float().sum(), params)
     for a, r in zip(gc, ge):
         assert rel_err(a, r) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("concat_ua", [False, True])
+def test_gpu_stu_layer_silu_u_in_output_kernels(concat_ua):
+    """A bf16 STU layer compiled with backend="hstu": silu(u) runs inside the output block's kernels
+    (``fuse_u_silu``), so no Inductor-generated kernel computes a sigmoid, forward or backward (the
+    separate silu(u) kernel and the silu backward in the d_uvqk assembly are gone); with the pass off
+    they are found (the check can fail). Eager-equal outputs and gradients either way."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from hstu_inductor.reference import STULayer
+    from hstu_inductor.report import collecting
+    from _helpers import cuda_stu_batch
+    from _helpers import rel_err as rel
+
+    _fp32_exact_matmuls()
+    E, H, D, N = 256, 2, 64, 256
+    x, off, nt = cuda_stu_batch(8, N, E, seed=6)
+    torch.manual_seed(0)
+    layer = STULayer(E, H, D, D, concat_ua=concat_ua).to("cuda", torch.bfloat16)
+    with torch.no_grad():  # parameters away from their ones/zeros initialisation
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    leaves = [x.requires_grad_(), *layer.parameters()]
+    cot = torch.randn(x.shape, generator=gen(120)).to("cuda", torch.bfloat16)
+    eager = layer(x, off, N, nt)
+    want = torch.autograd.grad(eager, leaves, cot)
+
+    def sigmoid_kernels(fuse):
+        torch._dynamo.reset()
+        with hstu_inductor.config.patch(fuse_u_silu=fuse), collecting() as report:
+            compiled = torch.compile(layer, backend="hstu")
+
+            def step():
+                out = compiled(x, off, N, nt)
+                return out, torch.autograd.grad(out, leaves, cot)
+
+            (out, grads), codes = run_and_get_code(step)
+        assert ("silu(u)" in [k for k, _ in report.details]) == fuse, str(report)
+        assert rel(out, eager) < 2e-2
+        for name, g, w in zip(["x", *(n for n, _ in layer.named_parameters())], grads, want):
+            assert rel(g, w) < 5e-2, name
+        code = "\n".join(codes)
+        assert "_out_fwd_kernel" in code and "_out_bwd_kernel" in code
+        kernels = re.findall(r"async_compile\.triton\('(\w+)',\s*'''(.*?)'''", code, re.S)
+        return [name for name, src in kernels if name.startswith("triton_") and "sigmoid" in src]
+
+    assert sigmoid_kernels(True) == []
+    assert sigmoid_kernels(False)
