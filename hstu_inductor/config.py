@@ -37,6 +37,11 @@ deterministic: bool = os.environ.get("HSTU_INDUCTOR_DETERMINISTIC", "0") == "1"
 #: The default was chosen by measurement (benchmarks/RESULTS.md, "save or recompute").
 block_backward: str = os.environ.get("HSTU_INDUCTOR_BLOCK_BACKWARD", "save")
 
+#: True: where the preprocess op's ``silu(u)`` feeds only output ops, they take the pre-activation columns
+#: of the projection instead and apply the silu in their kernels (``silu_u``), so the separate silu tensor
+#: and its gradient are never written (``patterns.blocks.fuse_u_silu``). False: the unfused graph, for comparison.
+fuse_u_silu: bool = os.environ.get("HSTU_INDUCTOR_FUSE_U_SILU", "1") == "1"
+
 #: Under ``dynamic=True`` every dim is symbolic, head and feature dims included, although a model
 #: fixes them through its weights. True: the attention rewriter takes symbolic feature dims of
 #: q/k/v as constants, with a guard each (a call with other feature sizes recompiles).
@@ -104,7 +109,8 @@ def snapshot() -> dict:
     """The current options, e.g. for cache keys and reports."""
     return {"tma": tma, "patterns": dict(patterns), "kernels": kernels, "gluon": gluon,
             "deterministic": deterministic,
-            "block_backward": block_backward, "check_inputs": check_inputs, "strict": strict,
+            "block_backward": block_backward, "fuse_u_silu": fuse_u_silu, "check_inputs": check_inputs,
+            "strict": strict,
             "specialize_features": specialize_features, "capture_dynamic_shape_ops": capture_dynamic_shape_ops,
             "rab_tables": rab_tables, "cost_rule": cost_rule, "cost_rule_min_work": dict(cost_rule_min_work)}
 

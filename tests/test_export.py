@@ -15,6 +15,7 @@ from torch.export import Dim
 
 import hstu_inductor.export as hx
 from hstu_inductor.testing import spellings_attention as sp
+from hstu_inductor.patterns.blocks import _op_arg
 from hstu_inductor.reference import HSTUModel
 
 from _helpers import rel_err
@@ -50,6 +51,9 @@ def test_stu_model_rewritten_and_packaged(stu_package):
     assert result.report.counts == {"attention": 2, "preprocess": 2, "output": 2}, str(result.report)
     targets = [str(n.target) for n in result.exported_program.graph.nodes if n.op == "call_function"]
     assert targets.count("hstu.attention.default") == 2
+    # fuse_u_silu survives the re-export: each output op takes the pre-activation (silu_u)
+    outputs = [n for n in result.exported_program.graph.nodes if str(n.target).startswith("hstu.stu_output")]
+    assert len(outputs) == 2 and all(_op_arg(n, "silu_u") is True for n in outputs), outputs
     _no_hstu_in_package(result.package_path)
     runner = torch._inductor.aoti_load_package(result.package_path)
     with torch.no_grad():

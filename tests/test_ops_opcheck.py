@@ -473,6 +473,54 @@ def test_stu_output_dropout_equals_reference(name):
         assert rel_err(a, e) < 1e-4
 
 
+# silu_u (trailing argument): u is the pre-activation, the block uses silu(u) (patterns.blocks.fuse_u_silu)
+SILU_U_CASES = {"layer_norm": (dict(), 0.0),
+                "group_norm_concat_no_bias": (dict(groups=H, concat=True, bias=False), 0.0),
+                "group_norm_concat_p05": (dict(groups=H, concat=True), 0.5)}
+
+
+def _silu_u_args(name, **kw):
+    """``(attn, u_pre, ..., concat, p, seed)`` for ``SILU_U_CASES[name]`` (append ``silu_u``)."""
+    case, p = SILU_U_CASES[name]
+    return (*_out_args(**case, **kw), p, torch.tensor(5, dtype=torch.int64) if p else None)
+
+
+@pytest.mark.parametrize("op", [ops.stu_output, ops.stu_output_save], ids=["recompute", "save"])
+def test_opcheck_stu_output_silu_u(op):
+    torch.library.opcheck(op, (*_silu_u_args("group_norm_concat_p05"), True))
+
+
+@pytest.mark.parametrize("saved,name", [(False, "group_norm_concat_p05"), (True, "layer_norm")])
+def test_opcheck_stu_output_bwd_silu_u(name, saved):
+    args = _silu_u_args(name, grad=False)
+    grad = torch.randn(7, E, generator=torch.Generator().manual_seed(15))
+    extra = tuple(ops.stu_output_save(*args, True)[1:]) if saved else (None, None, None)
+    torch.library.opcheck(ops.stu_output_bwd, (grad, *args, *extra, True))
+
+
+@pytest.mark.parametrize("op", [ops.stu_output, lambda *a: ops.stu_output_save(*a)[0]], ids=["recompute", "save"])
+@pytest.mark.parametrize("name", list(SILU_U_CASES))
+def test_stu_output_silu_u_equals_op_on_silu(name, op):
+    """fp64: the op on pre-activations with ``silu_u`` equals it on ``silu(u)`` (exactly: the ATen body applies
+    the same silu), and every gradient; u's, w.r.t. the pre-activation, also against autograd of the
+    reference block (no dropout)."""
+    args = _silu_u_args(name, dtype=torch.float64, seed=16)
+    attn, u_pre, rest = args[0], args[1], args[2:]
+    out = op(*args, True)
+    unfused = op(attn, F.silu(u_pre), *rest)
+    assert rel_err(out, unfused) < 1e-13
+    tensors = [t for t in (attn, u_pre, args[2], args[3], args[4], args[7], args[8]) if t is not None]
+    g = torch.randn_like(out)
+    outs = [out, unfused]
+    if not args[10]:
+        outs.append(_out_reference(attn, F.silu(u_pre), *rest[:-2]))
+        assert rel_err(out, outs[-1]) < 1e-12
+    got, *wants = (torch.autograd.grad(o, tensors, g) for o in outs)
+    for want in wants:
+        for a, e in zip(got, want):
+            assert rel_err(a, e) < 1e-12
+
+
 @pytest.mark.parametrize("op", [ops.stu_output, lambda *a: ops.stu_output_save(*a)[0]], ids=["recompute", "save"])
 def test_stu_output_dropout_gradcheck_float64(op):
     args = list(_drop_args("group_norm_concat_p05", dtype=torch.float64, seed=7, L=3, E=3, UD=4))

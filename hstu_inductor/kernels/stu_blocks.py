@@ -9,13 +9,15 @@ preprocess  ``uvqk = LayerNorm(x) @ W^T + b; act = silu(u)`` (or ``silu(uvqk)``)
               (ATen) -> ``dW`` and ``db`` (one GEMM: the forward stored ``normed`` with a ones column,
               ``norms.ones_column_width``), ``d_normed`` by cuBLAS -> LayerNorm backward kernel.
 output      ``out = x + drop([u, attn,] u * Norm(attn)) @ W^T + b``  (Norm: layer or per-head group)
-    forward : one kernel normalises attn (fp32 stats), multiplies by u, applies dropout and
+    forward : one kernel normalises attn (fp32 stats), multiplies by u (``silu_u``: u is the
+              pre-activation and the kernel applies the silu: no silu(u) tensor), applies dropout and
               writes the projection input (for ``concat_ua`` the ``[L, 3C]`` buffer ``[u, attn, y]``
               directly, no cat; with a bias followed by a ones column) -> ``addmm`` with the bias in its
               epilogue -> the residual added (:func:`stu_output_fwd`).
     backward: the projection input and the statistics are saved by the forward (``stu_output_save``) or
               recomputed by the forward kernel -> ``d_y = grad @ W`` and ``[dW | db] = grad^T @ [y | 1]``
-              by cuBLAS -> one kernel producing ``d_attn``, ``d_u`` and norm dweight/dbias partials.
+              by cuBLAS -> one kernel producing ``d_attn``, ``d_u`` (``silu_u``: w.r.t. the pre-activation)
+              and norm dweight/dbias partials.
 Dropout masks are regenerated from ``(seed, flat index)`` (:mod:`.rng`); nothing is saved.
 
 All tensors are ``[rows, channels]`` with a contiguous last dim (host wrappers make them so).
@@ -53,12 +55,15 @@ def _dropped(v, idx, k1, k2, thresh, scale, DROPOUT: tl.constexpr):
 @triton.jit
 def _out_fwd_kernel(A, U, Y, W, B, MEAN, RSTD, SEED, L, stride_a, stride_u, stride_y, G, D, eps, thresh, scale,
                     n_ones, HAS_W: tl.constexpr, HAS_B: tl.constexpr, CONCAT: tl.constexpr, DROPOUT: tl.constexpr,
-                    ONES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+                    SILU_U: tl.constexpr, ONES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     eps, scale = tl.cast(eps, tl.float32), tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     rows, ch, cmask, mask, rows2, g2, mask2 = row_tile(tl.program_id(0) * BLOCK_R, L, G, D, BLOCK_R, BLOCK_G,
                                                        BLOCK_D)
     a = tl.load(A + rows * stride_a + ch, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows * stride_u + ch, mask=mask, other=0.0).to(tl.float32)
+    if SILU_U:  # U holds the pre-activation: the block's u (also the one concatenated) is silu(U)
+        u = u * tl.sigmoid(u)
     normed, mean, rstd = normalize(a, mask, D, eps)
     if HAS_W:
         normed = normed * tl.load(W + ch, mask=cmask, other=0.0).to(tl.float32)
@@ -92,9 +97,10 @@ def _out_fwd_kernel(A, U, Y, W, B, MEAN, RSTD, SEED, L, stride_a, stride_u, stri
 def _out_bwd_kernel(DYC, A, U, W, B, MEAN, RSTD, SEED, DA, DU, DW_PART, DB_PART, L, stride_dy, stride_a,
                     stride_u, stride_da, stride_du, G, D, n_blocks, thresh, scale,
                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-                    CONCAT: tl.constexpr, DROPOUT: tl.constexpr,
+                    CONCAT: tl.constexpr, DROPOUT: tl.constexpr, SILU_U: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """d_attn, d_u from the gradient of the projection input ``DYC`` ([L, C] or [L, 3C])."""
+    """d_attn, d_u from the gradient of the projection input ``DYC`` ([L, C] or [L, 3C]); with ``SILU_U``,
+    ``U`` holds the pre-activation and ``DU`` is the gradient w.r.t. it."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -116,6 +122,10 @@ def _out_bwd_kernel(DYC, A, U, W, B, MEAN, RSTD, SEED, DA, DU, DW_PART, DB_PART,
         rows, ch, cm_, mask, rows2, g2, mask2 = row_tile(blk * BLOCK_R, L, G, D, BLOCK_R, BLOCK_G, BLOCK_D)
         a = tl.load(A + rows * stride_a + ch, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + rows * stride_u + ch, mask=mask, other=0.0).to(tl.float32)
+        if SILU_U:
+            u_pre = u
+            sig = tl.sigmoid(u_pre)
+            u = u_pre * sig
         xhat, rstd = xhat_from_stats(a, mask, MEAN, RSTD, rows2, g2, mask2, G)
         normed = xhat
         if HAS_W:
@@ -137,6 +147,8 @@ def _out_bwd_kernel(DYC, A, U, W, B, MEAN, RSTD, SEED, DA, DU, DW_PART, DB_PART,
                           rows * C + ch, k1, k2, thresh, scale, DROPOUT)
             du = dy * normed
         dn = dy * u
+        if SILU_U:  # silu'(x) = s * (1 + x * (1 - s)), s = sigmoid(x)
+            du = du * sig * (1.0 + u_pre * (1.0 - sig))
         d_attn, acc_dw, acc_db = affine_norm_grad(dn, xhat, rstd, w, acc_dw, acc_db, D, HAS_W, NEED_DW, NEED_DB)
         if CONCAT:
             d_attn += da
@@ -154,9 +166,10 @@ def _dropout_args(dropout_p: float, seed, device):
 
 
 def output_y(attn, u, norm_weight, norm_bias, eps: float, groups: int, concat_ua: bool, dropout_p: float = 0.0,
-             seed=None, ones_column: bool = False):
+             seed=None, silu_u: bool = False, ones_column: bool = False):
     """The projection input ``drop(u * Norm(attn))`` (or ``drop([u, attn, u * Norm(attn)])``) in
-    attn's dtype, plus fp32 ``mean, rstd [L, G]``; with ``ones_column`` the input is followed by a ones column
+    attn's dtype, plus fp32 ``mean, rstd [L, G]``. ``silu_u``: ``u`` is the pre-activation, the block's
+    u is ``silu(u)`` (fp32, in the kernel). ``ones_column``: the input is followed by a ones column
     (``norms.ones_column_width``)."""
     attn, u = rowmajor(attn), rowmajor(u)
     L, C = attn.shape
@@ -171,14 +184,15 @@ def output_y(attn, u, norm_weight, norm_bias, eps: float, groups: int, concat_ua
     launch(_out_fwd_kernel, (triton.cdiv(L, br),), attn, u, y, norm_weight, norm_bias, mean, rstd, seed_t, L,
            attn.stride(0), u.stride(0), y.stride(0), G, C // G, eps, thresh, scale, width - cols,
            HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, CONCAT=concat_ua, DROPOUT=drop,
-           ONES=ONES_BLOCK * ones_column, BLOCK_R=br, BLOCK_G=bg, BLOCK_D=bd, num_warps=warps)
+           SILU_U=silu_u, ONES=ONES_BLOCK * ones_column, BLOCK_R=br, BLOCK_G=bg, BLOCK_D=bd, num_warps=warps)
     return y, mean, rstd
 
 
 def output_y_bwd(d_y, attn, u, norm_weight, norm_bias, mean, rstd, groups: int, concat_ua: bool,
-                 dropout_p: float = 0.0, seed=None, need_dw: bool = True, need_db: bool = True):
+                 dropout_p: float = 0.0, seed=None, need_dw: bool = True, need_db: bool = True, silu_u: bool = False):
     """``(d_attn, d_u, d_norm_weight fp32 | None, d_norm_bias fp32 | None)`` from the gradient of the
-    projection input (shape of :func:`output_y`'s result)."""
+    projection input (shape of :func:`output_y`'s result); with ``silu_u``, ``d_u`` is w.r.t. the
+    pre-activation ``u``."""
     d_y, attn, u = rowmajor(d_y), rowmajor(attn), rowmajor(u)
     L, C = attn.shape
     G = max(groups, 1)
@@ -194,34 +208,34 @@ def output_y_bwd(d_y, attn, u, norm_weight, norm_bias, mean, rstd, groups: int, 
     launch(_out_bwd_kernel, (P,), d_y, attn, u, norm_weight, norm_bias, mean, rstd, seed_t, d_attn, d_u, dw_part,
            db_part, L, d_y.stride(0), attn.stride(0), u.stride(0), d_attn.stride(0), d_u.stride(0), G, C // G,
            triton.cdiv(L, br), thresh, scale, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None,
-           NEED_DW=need_dw, NEED_DB=need_db, CONCAT=concat_ua, DROPOUT=drop, BLOCK_R=br, BLOCK_G=bg,
+           NEED_DW=need_dw, NEED_DB=need_db, CONCAT=concat_ua, DROPOUT=drop, SILU_U=silu_u, BLOCK_R=br, BLOCK_G=bg,
            BLOCK_D=bd, num_warps=warps)
     return d_attn, d_u, (dw_part.sum(0) if need_dw else None), (db_part.sum(0) if need_db else None)
 
 
 def stu_output_fwd(attn, u, x, norm_weight, norm_bias, eps, groups, weight, bias, concat_ua, dropout_p=0.0,
-                   seed=None):
+                   seed=None, silu_u=False):
     """``(x + drop(y) @ weight^T (+ bias), y, mean, rstd)``: the bias in the matmul's epilogue, the residual
     added after it. (With the residual as addmm's C input, addmm first copies x into its output, and the bias
     took one more pass: 165 us against 129 us for these two kernels at L=62k, E=512 on H100, RESULTS.md
     session 12; under Inductor the add is one fused pointwise kernel.) With a bias, ``y`` carries a ones
     column, so that the backward's weight-gradient GEMM also gives the bias gradient."""
-    y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed,
+    y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed, silu_u,
                              ones_column=bias is not None)
     return linear(y[:, :weight.shape[1]], weight, bias) + x, y, mean, rstd
 
 
 def stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, groups, weight, bias, concat_ua, dropout_p=0.0,
-                   seed=None, y=None, mean=None, rstd=None):
+                   seed=None, y=None, mean=None, rstd=None, silu_u=False):
     """Gradients ``[d_attn, d_u, d_x, d_norm_weight, d_norm_bias, d_weight, d_bias]`` (Nones dropped).
     Without the forward's ``y, mean, rstd`` the forward kernel recomputes them."""
     if y is None:
-        y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed,
+        y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed, silu_u,
                                  ones_column=bias is not None)
     d_y = grad.mm(weight)
     d_w, d_b = linear_param_grads(grad, y, weight.shape[1], bias is not None)
     d_attn, d_u, d_nw, d_nb = output_y_bwd(d_y, attn, u, norm_weight, norm_bias, mean, rstd, groups, concat_ua,
-                                           dropout_p, seed)
+                                           dropout_p, seed, silu_u=silu_u)
     grads = [d_attn, d_u, grad.clone(),
              d_nw.to(norm_weight.dtype) if norm_weight is not None else None,
              d_nb.to(norm_bias.dtype) if norm_bias is not None else None, d_w, d_b]
@@ -261,7 +275,9 @@ def stu_preprocess_bwd(d_act, d_uvqk, x, ln_weight, ln_bias, eps, weight, bias, 
     E = x.shape[1]
     if normed is None:
         normed, mean, rstd = norm_fwd(x, ln_weight, ln_bias, eps, ones_column=bias is not None)
-        if silu_all:
+        if d_act is None:  # act unused (e.g. silu(u) moved into the output block): no silu backward
+            uvqk = normed  # uvqk_grad then reads only its rows
+        elif silu_all:
             uvqk = linear(normed[:, :E], weight, bias)
         else:
             uvqk = linear(normed[:, :E], weight[:u_dim], bias[:u_dim] if bias is not None else None)

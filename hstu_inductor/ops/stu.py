@@ -214,7 +214,8 @@ def _dropout_scale(y: Tensor, dropout_p: float, seed: Optional[Tensor]) -> Optio
 
 
 def _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua, dropout_p=0.0, seed=None):
-    """The projection input, the normalised attn, its statistics and the dropout scale (or None)."""
+    """The projection input, the normalised attn, its statistics and the dropout scale (or None);
+    ``u`` is the block's u (already activated)."""
     normed32, mean, rstd = _norm_fwd(attn, norm_weight, norm_bias, eps, norm_groups)
     normed = normed32.to(attn.dtype)
     y = u * normed
@@ -227,19 +228,23 @@ def _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua, drop
 @triton_op("hstu::stu_output", mutates_args=())
 def stu_output(attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
                eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor], concat_ua: bool,
-               dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> Tensor:
+               dropout_p: float = 0.0, seed: Optional[Tensor] = None, silu_u: bool = False) -> Tensor:
     """``x + F.linear(drop(u * Norm(attn) [cat u, attn before]), weight, bias)``; ``norm_groups=0`` is
     layer norm. Dropout (``dropout_p > 0``, training) applies to the whole projection input with the
     counter-based mask of ``seed`` (one-element int64 tensor), scaled by ``1 / (1 - dropout_p)``.
+    ``silu_u``: ``u`` is the pre-activation and the block uses ``silu(u)`` (everywhere, the concat
+    included); ``u``'s gradient is then w.r.t. the pre-activation. It lets the STU's preprocess hand
+    over ``uvqk[:, :u_dim]`` instead of a tensor of its own (``patterns.blocks.fuse_u_silu``).
     Its backward recomputes the projection input and the statistics (see ``stu_output_save``)."""
     return stu_output_save(attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua, dropout_p,
-                           seed)[0]
+                           seed, silu_u)[0]
 
 
 @triton_op("hstu::stu_output_save", mutates_args=())
 def stu_output_save(attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
                     eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor], concat_ua: bool,
-                    dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    dropout_p: float = 0.0, seed: Optional[Tensor] = None, silu_u: bool = False
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`stu_output` that also returns what its backward reads instead of recomputing:
     ``(out, y, mean, rstd)``, ``y`` the projection input after dropout (``[L, C]`` or ``[L, 3C]``; on the kernel
     path with a bias followed by a ones column, as ``normed`` of :func:`stu_preprocess_save`)
@@ -249,7 +254,8 @@ def stu_output_save(attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Te
                         groups=norm_groups)
     if kern is not None:
         return kern.stu_output_fwd(attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua,
-                                   dropout_p, seed)
+                                   dropout_p, seed, silu_u)
+    u = F.silu(u) if silu_u else u  # in u's dtype: what the preprocess op's own act would hold
     y, _, mean, rstd, _ = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua, dropout_p, seed)
     return x + F.linear(y, weight, bias), y, mean, rstd
 
@@ -267,17 +273,18 @@ def _normed_from_stats(attn, mean, rstd, weight, bias, groups):
 def stu_output_bwd(grad: Tensor, attn: Tensor, u: Tensor, x: Tensor, norm_weight: Optional[Tensor],
                    norm_bias: Optional[Tensor], eps: float, norm_groups: int, weight: Tensor, bias: Optional[Tensor],
                    concat_ua: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None, y: Optional[Tensor] = None,
-                   mean: Optional[Tensor] = None, rstd: Optional[Tensor] = None) -> list[Tensor]:
+                   mean: Optional[Tensor] = None, rstd: Optional[Tensor] = None, silu_u: bool = False) -> list[Tensor]:
     """Gradients for ``attn, u, x, norm_weight, norm_bias, weight, bias`` (those not None). The
     dropout mask is regenerated from ``seed``. ``y, mean, rstd`` are :func:`stu_output_save`'s
-    intermediates; when they are not given they are recomputed."""
+    intermediates; when they are not given they are recomputed. ``silu_u`` as in :func:`stu_output`."""
     _check_saved("stu_output_bwd", "y, mean, rstd", (y, mean, rstd))
     kern = _kernels_for(attn, grad, u, x, weight, bias, norm_params=(norm_weight, norm_bias),
                         channels=attn.shape[1], groups=norm_groups)
     if kern is not None:
         grads = kern.stu_output_bwd(grad, attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias,
-                                    concat_ua, dropout_p, seed, y, mean, rstd)
+                                    concat_ua, dropout_p, seed, y, mean, rstd, silu_u)
         return [g.contiguous() for g in grads]
+    u_pre, u = u, (F.silu(u) if silu_u else u)
     if y is None:
         y, normed, mean, rstd, drop = _output_y(attn, u, norm_weight, norm_bias, eps, norm_groups, concat_ua,
                                                 dropout_p, seed)
@@ -296,6 +303,8 @@ def stu_output_bwd(grad: Tensor, attn: Tensor, u: Tensor, x: Tensor, norm_weight
     if concat_ua:
         d_u_total = d_u_total + d_u
         d_attn = d_attn + d_attn_direct
+    if silu_u:  # what the preprocess backward would do with this d_u (reference.stu.uvqk_grad)
+        d_u_total = aten.silu_backward(d_u_total, u_pre)
     grads = [d_attn, d_u_total, grad.clone(), d_nw, d_nb, d_w, d_b]
     return [g.contiguous() for g in grads if g is not None]
 
@@ -343,20 +352,20 @@ stu_preprocess_save.register_autograd(_pre_backward, setup_context=_pre_setup)
 
 
 def _out_setup(ctx, inputs, output):
-    attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua, dropout_p, seed = inputs
+    attn, u, x, norm_weight, norm_bias, eps, norm_groups, weight, bias, concat_ua, dropout_p, seed, silu_u = inputs
     # stu_output_save: y, mean, rstd; stu_output (a single tensor): none (recompute)
     _save(ctx, (attn, u, x, norm_weight, norm_bias, weight, bias, seed),
           output[1:] if isinstance(output, (tuple, list)) else ())
-    ctx.args = (eps, norm_groups, concat_ua, dropout_p)
+    ctx.args = (eps, norm_groups, concat_ua, dropout_p, silu_u)
 
 
 def _out_backward(ctx, grad, *_intermediates):
     attn, u, x, norm_weight, norm_bias, weight, bias, seed, *saved = ctx.saved_tensors
-    eps, norm_groups, concat_ua, dropout_p = ctx.args
+    eps, norm_groups, concat_ua, dropout_p, silu_u = ctx.args
     grads = torch.ops.hstu.stu_output_bwd(grad.contiguous(), attn, u, x, norm_weight, norm_bias, eps, norm_groups,
-                                          weight, bias, concat_ua, dropout_p, seed, *saved)
+                                          weight, bias, concat_ua, dropout_p, seed, *saved, silu_u=silu_u)
     ga, gu, gx, gnw, gnb, gw, gb = _expand(grads, (attn, u, x, norm_weight, norm_bias, weight, bias))
-    return ga, gu, gx, gnw, gnb, None, None, gw, gb, None, None, None
+    return ga, gu, gx, gnw, gnb, None, None, gw, gb, None, None, None, None
 
 
 stu_output.register_autograd(_out_backward, setup_context=_out_setup)

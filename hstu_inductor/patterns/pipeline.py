@@ -16,6 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import _compat, config
 from ..report import RewriteReport, publish
+from .blocks import fuse_u_silu
 from .canonicalize import canonicalize, grad_losing_njt
 from .float_inputs import specialise_float_inputs
 from .registry import REWRITERS
@@ -109,7 +110,9 @@ def run_rewriters(gm: torch.fx.GraphModule) -> RewriteReport:
             continue
         for rewriter in rewriters:
             rewriter(gm, report)
-    if any(report.counts.values()):
+    # joins the two block rewrites' ops, so it runs after both
+    fused = fuse_u_silu(gm, report) if config.fuse_u_silu else 0
+    if any(report.counts.values()) or fused:
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()

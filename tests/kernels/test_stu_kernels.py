@@ -310,6 +310,41 @@ def test_stu_output_op_kernels(kernels_on_cpu, dtype, groups, concat, bias, affi
         assert rel_err(a, r.grad) < GTOL[dtype], name
 
 
+SILU_U_CASES = [  # (mode, groups, concat, p)
+    ("recompute", 0, False, 0.0),
+    ("save", 0, True, 0.3),
+    ("recompute", 3, True, 0.0),
+    ("save", 3, False, 0.3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode,groups,concat,p", SILU_U_CASES)
+def test_stu_output_op_kernels_silu_u(kernels_on_cpu, dtype, mode, groups, concat, p):
+    """``silu_u=True`` on pre-activations (silu in the kernels) equals the op on ``silu(u)``: the output and
+    every gradient, u's w.r.t. the pre-activation (fp64 autograd through the silu; and the op with
+    ``silu_u=False`` behind torch's silu)."""
+    L, C, E = 29, 24, 20
+    attn, u_pre, nw, nb = _out_inputs(L, C, max(groups, 1), dtype, True, 140 + groups)
+    g = gen(141)
+    x = rand((L, E), dtype, g)
+    w = rand((E, C * (3 if concat else 1)), dtype, g, 0.2)
+    b = rand((E,), dtype, g, 0.1)
+    seed = seed_tensor(77) if p > 0 else None
+    leaves = [t.requires_grad_() for t in (attn, u_pre, x, nw, nb, w, b)]
+    out = OUT_OPS[mode](attn, u_pre, x, nw, nb, 1e-5, groups, w, b, concat, p, seed, True)
+    unfused = OUT_OPS[mode](attn, F.silu(u_pre), x, nw, nb, 1e-5, groups, w, b, concat, p, seed)
+    a64, u64, x64, nw64, nb64, w64, b64 = leaf64(*leaves)
+    ref = ref_stu_output(a64, F.silu(u64), x64, nw64, nb64, 1e-5, groups, w64, b64, concat, p, seed)
+    assert rel_err(out, ref) < TOL[dtype] * 2 and rel_err(out, unfused) < TOL[dtype] * 2
+    grad = rand(out.shape, dtype, gen(142))
+    got = torch.autograd.grad(out, leaves, grad)
+    want = torch.autograd.grad(unfused, leaves, grad)
+    ref.backward(grad.double().cpu())
+    for name, a, c, r in zip("attn u x nw nb w b".split(), got, want, (a64, u64, x64, nw64, nb64, w64, b64)):
+        assert rel_err(a, r.grad) < GTOL[dtype] and rel_err(a, c) < GTOL[dtype], name
+
+
 def test_fp32_norm_params_with_fp16_activations(kernels_on_cpu):
     """Mixed precision: fp32 norm weights with fp16 activations take the kernel path; their grads
     come back in fp32."""
@@ -618,3 +653,55 @@ def test_gpu_stu_ops_under_torch_compile(concat, p):
     gc = torch.autograd.grad(compiled.float().sum(), params)
     for a, r in zip(gc, ge):
         assert rel_err(a, r) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("concat_ua", [False, True])
+def test_gpu_stu_layer_silu_u_in_output_kernels(concat_ua):
+    """A bf16 STU layer compiled with backend="hstu": silu(u) runs inside the output block's kernels
+    (``fuse_u_silu``), so no Inductor-generated kernel computes a sigmoid, forward or backward (the
+    separate silu(u) kernel and the silu backward in the d_uvqk assembly are gone); with the pass off
+    they are found (the check can fail). Eager-equal outputs and gradients either way."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from hstu_inductor.reference import STULayer
+    from hstu_inductor.report import collecting
+    from _helpers import cuda_stu_batch
+    from _helpers import rel_err as rel
+
+    _fp32_exact_matmuls()
+    E, H, D, N = 256, 2, 64, 256
+    x, off, nt = cuda_stu_batch(8, N, E, seed=6)
+    torch.manual_seed(0)
+    layer = STULayer(E, H, D, D, concat_ua=concat_ua).to("cuda", torch.bfloat16)
+    with torch.no_grad():  # parameters away from their ones/zeros initialisation
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    leaves = [x.requires_grad_(), *layer.parameters()]
+    cot = torch.randn(x.shape, generator=gen(120)).to("cuda", torch.bfloat16)
+    eager = layer(x, off, N, nt)
+    want = torch.autograd.grad(eager, leaves, cot)
+
+    def sigmoid_kernels(fuse):
+        torch._dynamo.reset()
+        with hstu_inductor.config.patch(fuse_u_silu=fuse), collecting() as report:
+            compiled = torch.compile(layer, backend="hstu")
+
+            def step():
+                out = compiled(x, off, N, nt)
+                return out, torch.autograd.grad(out, leaves, cot)
+
+            (out, grads), codes = run_and_get_code(step)
+        assert ("silu(u)" in [k for k, _ in report.details]) == fuse, str(report)
+        assert rel(out, eager) < 2e-2
+        for name, g, w in zip(["x", *(n for n, _ in layer.named_parameters())], grads, want):
+            assert rel(g, w) < 5e-2, name
+        code = "\n".join(codes)
+        assert "_out_fwd_kernel" in code and "_out_bwd_kernel" in code
+        kernels = re.findall(r"async_compile\.triton\('(\w+)',\s*'''(.*?)'''", code, re.S)
+        return [name for name, src in kernels if name.startswith("triton_") and "sigmoid" in src]
+
+    assert sigmoid_kernels(True) == []
+    assert sigmoid_kernels(False)

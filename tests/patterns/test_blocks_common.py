@@ -69,12 +69,13 @@ def _grads(out, params_and_inputs, seed):
     return torch.autograd.grad(loss, params_and_inputs, allow_unused=True)
 
 
-def check_compiled(module: torch.nn.Module, *inputs, train=True, rtol=1e-4, grad_rtol=1e-3, counts=None):
-    """``torch.compile(m, backend=REWRITE_BACKEND)`` equals eager for outputs (and, with ``train``, for the
+def check_compiled(module: torch.nn.Module, *inputs, train=True, rtol=1e-4, grad_rtol=1e-3, counts=None,
+                   backend=REWRITE_BACKEND):
+    """``torch.compile(m, backend=backend)`` equals eager for outputs (and, with ``train``, for the
     gradients of every parameter and floating input); the rewrite counts are ``counts``."""
     ref = copy.deepcopy(module)
     torch._dynamo.reset()
-    compiled = torch.compile(module, backend=REWRITE_BACKEND)
+    compiled = torch.compile(module, backend=backend)
     def is_float(i):
         return isinstance(i, torch.Tensor) and i.is_floating_point()
 
