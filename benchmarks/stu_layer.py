@@ -524,7 +524,7 @@ def main():
     for r in rows:
         ind = next((x for x in rows if x["N"] == r["N"] and x["provider"] == "inductor"), None)
         sp = ind["fwdbwd_ms"] / r["fwdbwd_ms"] if ind else float("nan")
-        mem = r["peak_mb"] / ind["peak_mb"] if ind else float("nan")
+        mem = r["peak_mb"] / ind["peak_mb"] if ind and ind["peak_mb"] else float("nan")  # 0 under CUDA graphs
         print(f"{r['N']:5d} {r['provider']:14s} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:10.3f} "
               f"{r['fwdbwd_ms'] / r['floor_fwdbwd_ms']:7.2f} {r['peak_mb']:9.1f} {mem:10.2f} {sp:14.2f} "
               f"{r['err_out']:8.1e} {r['err_dx']:8.1e} {r['err_dparam']:8.1e} {r['note']}")
