@@ -113,3 +113,20 @@ def assert_near_miss(module, *inputs, kind, contains, train=False):
     reasons = [r for k, r in report.near_misses if k == kind]
     assert any(contains in r for r in reasons), (contains, report.near_misses)
     return reasons
+
+
+def small_stu_layer(cls, *dims, **kw):
+    """``cls(*dims, **kw)`` (an STU layer class) seeded, its parameters moved away from their ones/zeros
+    initialisation, so that every parameter's role shows in the outputs and gradients."""
+    torch.manual_seed(0)
+    m = cls(*dims, **kw)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return m
+
+
+def jagged_rows(lengths, E, seed=0):
+    """``(x [sum(lengths), E], offsets)``: random rows of a jagged batch and their int64 offsets."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(lengths), E, generator=g), torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])

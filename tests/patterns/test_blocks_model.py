@@ -9,25 +9,18 @@ import hstu_inductor
 from hstu_inductor.patterns import blocks
 from hstu_inductor.reference import HSTUModel, STULayer
 from hstu_inductor.report import RewriteReport, collecting
-from test_blocks_common import check_compiled, rewritten
+from test_blocks_common import check_compiled, jagged_rows, rewritten, small_stu_layer
 from _helpers import REWRITE_BACKEND, forward_copies_pass
 
 E, H, DQ, DV, N = 16, 2, 4, 8, 8
 
 
 def _batch(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-    return torch.randn(sum(lengths), E, generator=g), offsets
+    return jagged_rows(lengths, E, seed)
 
 
 def _layer(**kw):
-    torch.manual_seed(0)
-    m = STULayer(E, H, DQ, DV, **kw)
-    with torch.no_grad():  # parameters away from their ones/zeros initialisation
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return m
+    return small_stu_layer(STULayer, E, H, DQ, DV, **kw)
 
 
 class TestReferenceModel(TestCase):

@@ -18,7 +18,7 @@ from hstu_inductor.reference import STULayer, hstu_mha
 from hstu_inductor.reference import stu as ref_stu
 from hstu_inductor.report import RewriteReport
 from _helpers import rel_err
-from test_blocks_common import check_compiled, rewritten
+from test_blocks_common import check_compiled, jagged_rows, rewritten, small_stu_layer
 
 ops = torch.ops.hstu
 E, H, DQ, DV, N = 16, 2, 4, 8, 8
@@ -28,17 +28,11 @@ OUT_OPS = (ops.stu_output.default, ops.stu_output_save.default)
 
 
 def _batch(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(sum(lengths), E, generator=g), torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return jagged_rows(lengths, E, seed)
 
 
 def _layer(cls=STULayer, **kw):
-    torch.manual_seed(0)
-    m = cls(E, H, DQ, DV, **kw)
-    with torch.no_grad():  # parameters away from their ones/zeros initialisation
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return m
+    return small_stu_layer(cls, E, H, DQ, DV, **kw)
 
 
 def _nodes(gm, targets):
