@@ -45,6 +45,13 @@ def ones_column_width(C: int) -> int:
     return -(-(int(C) + 1) // ONES_BLOCK) * ONES_BLOCK
 
 
+def ones_column_layout(C: int, ones_column: bool):
+    """``(width, n_ones, ONES)`` of a kernel output of C columns: its allocated width, the ones/zeros columns
+    after it, and the kernels' ``ONES`` constexpr (0: none)."""
+    width = ones_column_width(C) if ones_column else C
+    return width, width - C, ONES_BLOCK * ones_column
+
+
 def tile(C: int, G: int, rows_target: int = 4096):
     """(BLOCK_R, BLOCK_G, BLOCK_D, num_warps) for rows of C channels in G groups."""
     C, G = int(C), int(G)
@@ -221,14 +228,14 @@ def norm_fwd(x, weight, bias, eps: float, groups: int = 1, ones_column: bool = F
     L, C = x.shape
     G = max(groups, 1)
     D = C // G
-    width = ones_column_width(C) if ones_column else C
+    width, n_ones, ones = ones_column_layout(C, ones_column)
     y = new_tensor((L, width), x.dtype, x.device)
     mean = new_tensor((L, G), torch.float32, x.device)
     rstd = new_tensor((L, G), torch.float32, x.device)
     br, bg, bd, warps = tile(C, G)
     launch(_norm_fwd_kernel, (triton.cdiv(L, br),), x, y, weight, bias, mean, rstd, L, x.stride(0), y.stride(0),
-           G, D, eps, width - C, HAS_W=weight is not None, HAS_B=bias is not None, ONES=ONES_BLOCK * ones_column,
-           BLOCK_R=br, BLOCK_G=bg, BLOCK_D=bd, num_warps=warps)
+           G, D, eps, n_ones, HAS_W=weight is not None, HAS_B=bias is not None, ONES=ones, BLOCK_R=br,
+           BLOCK_G=bg, BLOCK_D=bd, num_warps=warps)
     return y, mean, rstd
 
 

@@ -31,9 +31,8 @@ import triton.language as tl
 from ..reference.dropout import keep_threshold
 from ..reference.stu import linear_param_grads, uvqk_grad
 from .common import launch, new_tensor, rowmajor
-from .norms import (ONES_BLOCK, affine_norm_grad, bwd_tile, norm_bwd, norm_fwd, normalize, num_partials,
-                    ones_column_width, row_tile, store_ones_column, store_partials, supported_channels, tile,
-                    xhat_from_stats)
+from .norms import (affine_norm_grad, bwd_tile, norm_bwd, norm_fwd, normalize, num_partials, ones_column_layout,
+                    row_tile, store_ones_column, store_partials, supported_channels, tile, xhat_from_stats)
 from .rng import keep, seed_keys
 
 __all__ = ["supported_channels", "output_y", "output_y_bwd", "linear", "stu_output_fwd", "stu_output_bwd",
@@ -175,16 +174,15 @@ def output_y(attn, u, norm_weight, norm_bias, eps: float, groups: int, concat_ua
     L, C = attn.shape
     G = max(groups, 1)
     drop, seed_t, thresh, scale = _dropout_args(dropout_p, seed, attn.device)
-    cols = 3 * C if concat_ua else C
-    width = ones_column_width(cols) if ones_column else cols
+    width, n_ones, ones = ones_column_layout(3 * C if concat_ua else C, ones_column)
     y = new_tensor((L, width), attn.dtype, attn.device)
     mean = new_tensor((L, G), torch.float32, attn.device)
     rstd = new_tensor((L, G), torch.float32, attn.device)
     br, bg, bd, warps = tile(C, G, rows_target=2048)
     launch(_out_fwd_kernel, (triton.cdiv(L, br),), attn, u, y, norm_weight, norm_bias, mean, rstd, seed_t, L,
-           attn.stride(0), u.stride(0), y.stride(0), G, C // G, eps, thresh, scale, width - cols,
+           attn.stride(0), u.stride(0), y.stride(0), G, C // G, eps, thresh, scale, n_ones,
            HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, CONCAT=concat_ua, DROPOUT=drop,
-           SILU_U=silu_u, ONES=ONES_BLOCK * ones_column, BLOCK_R=br, BLOCK_G=bg, BLOCK_D=bd, num_warps=warps)
+           SILU_U=silu_u, ONES=ones, BLOCK_R=br, BLOCK_G=bg, BLOCK_D=bd, num_warps=warps)
     return y, mean, rstd
 
 

@@ -144,9 +144,9 @@ def stu_preprocess_save(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optiona
     backward reads them instead of recomputing them: ``(act, uvqk, normed, mean, rstd)`` with
     ``normed`` the LayerNorm output (``x.dtype``; on the kernel path with a bias ``[L, E']``, the output in its
     first E columns followed by a ones column, ``kernels.norms.ones_column_width``) and ``mean``/``rstd``
-    ``[L, 1]`` statistics (fp32 or wider); the backward reads its pre-activations from ``uvqk``. The forward computes all of them
-    anyway; saving costs memory (``normed``, and ``uvqk`` where the attention's v, q, k views do not
-    keep it alive anyway: with ``silu_all``), not time. ``hstu_inductor.config.block_backward``
+    ``[L, 1]`` statistics (fp32 or wider); the backward reads its pre-activations from ``uvqk``. The forward
+    computes all of them anyway; saving costs memory (``normed``, and ``uvqk`` where the attention's v, q, k
+    views do not keep it alive anyway: with ``silu_all``), not time. ``hstu_inductor.config.block_backward``
     selects which op the pattern emits."""
     _check_preprocess(x, weight, u_dim, qk_dim)
     kern = _kernels_for(x, weight, bias, norm_params=(ln_weight, ln_bias), channels=x.shape[1])

@@ -1274,13 +1274,13 @@ def fuse_u_silu(gm: GraphModule, report: RewriteReport) -> int:
         if not _is(pre, hstu.stu_preprocess.default, hstu.stu_preprocess_save.default) \
                 or _op_arg(pre, "silu_all") is not False:
             continue
-        acts = [n for n in pre.users if n.target is operator.getitem and n.args[1] == 0]
+        acts = [n for n in pre.users if _getitem_of(n, 0) is pre]
         users = [u for a in acts for u in a.users]
         if not users or not all(_takes_act_as_u_only(u, acts) for u in users):
             continue
         order = _order(graph)
         first = min(acts, key=order.__getitem__)
-        uvqk = next((n for n in pre.users if n.target is operator.getitem and n.args[1] == 1), None)
+        uvqk = next((n for n in pre.users if _getitem_of(n, 1) is pre), None)
         with graph.inserting_before(first):
             if uvqk is None:
                 uvqk = _getitem(graph, pre, 1)

@@ -19,8 +19,8 @@ def _stats(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-__all__ = ["split_activate", "preprocess_views", "uvqk_grad", "linear_param_grads", "stu_preprocess", "stu_output", "stu_layer", "STULayer",
-           "HSTUModel"]
+__all__ = ["split_activate", "preprocess_views", "uvqk_grad", "linear_param_grads", "stu_preprocess", "stu_output",
+           "stu_layer", "STULayer", "HSTUModel"]
 
 
 def split_activate(uvqk, u_dim, qk_dim, silu_all=False):
