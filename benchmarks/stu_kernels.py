@@ -8,8 +8,10 @@ Tile variants of the reducing backward kernels are timed too, to pick their defa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -32,36 +34,32 @@ def line(name, t, nbytes):
     print(f"  {name:55s} {t:8.1f} us  {nbytes / (t * 1e-6) / 1e9:7.0f} GB/s", flush=True)
 
 
-def tile_variants(label, module, fn, nbytes, variants):
-    """Time ``fn`` with ``module``'s backward tile forced to each ``(rows per step, warps, programs
-    per SM)`` variant; ``None`` is the shipped default (``norms.bwd_tile``/``num_partials``)."""
-    orig_tile, orig_parts = module.bwd_tile, module.num_partials
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for v in variants:
-        name = "default"
-        if v is not None:
-            br, warps, parts = v
-            name = f"tile={br} warps={warps} parts={parts}xSM"
-            module.bwd_tile = lambda C_, G_, br=br, warps=warps: (br, *orig_tile(C_, G_)[1:3], warps)
-            module.num_partials = lambda d, parts=parts: parts * sms
-        try:
+def timed_variants(label, module, fn, nbytes, variants):
+    """Time ``fn`` once per ``(name, {attribute: replacement})`` variant, with ``module``'s attributes
+    replaced for that timing (``{}``: the shipped default)."""
+    for name, attrs in variants:
+        with mock.patch.multiple(module, **attrs) if attrs else contextlib.nullcontext():
             line(f"{label}: ours {name}", us(fn), nbytes)
-        finally:
-            module.bwd_tile, module.num_partials = orig_tile, orig_parts
 
 
-def fwd_tile_variants(label, module, fn, nbytes, variants):
-    """Time ``fn`` with ``module.tile`` (the forward kernels' row tile) forced to each ``(rows per program,
-    warps)`` variant; ``None`` is the shipped default."""
-    orig = module.tile
-    for v in variants:
-        name = "default" if v is None else "rows=%d warps=%d" % v
-        if v is not None:
-            module.tile = lambda C_, G_, rows_target=0, v=v: (v[0], *orig(C_, G_)[1:3], v[1])
-        try:
-            line(f"{label}: ours {name}", us(fn), nbytes)
-        finally:
-            module.tile = orig
+def bwd_tiles(module, variants):
+    """The reducing backward kernels' tile forced to each ``(rows per step, warps, programs per SM)``; ``None``
+    is the shipped default (``norms.bwd_tile``/``num_partials``)."""
+    tile_of, sms = module.bwd_tile, torch.cuda.get_device_properties(0).multi_processor_count
+    return [("default", {}) if v is None else
+            (f"tile={v[0]} warps={v[1]} parts={v[2]}xSM",
+             dict(bwd_tile=lambda C_, G_, v=v: (v[0], *tile_of(C_, G_)[1:3], v[1]),
+                  num_partials=lambda d, v=v: v[2] * sms))
+            for v in variants]
+
+
+def fwd_tiles(module, variants):
+    """The forward kernels' row tile (``module.tile``) forced to each ``(rows per program, warps)``; ``None`` is
+    the shipped default."""
+    tile_of = module.tile
+    return [("default", {}) if v is None else
+            ("rows=%d warps=%d" % v, dict(tile=lambda C_, G_, rows_target=0, v=v: (v[0], *tile_of(C_, G_)[1:3], v[1])))
+            for v in variants]
 
 
 FWD_TILES = (None, (1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (16, 16))
@@ -89,7 +87,8 @@ def main():
             return F.group_norm(x32, G, w, b, 1e-6).to(x.dtype)
 
         cf = torch.compile(ind_fwd)
-        fwd_tile_variants("norm fwd", norms, lambda: norms.norm_fwd(x, w, b, 1e-6, G), 2 * L * C * e, FWD_TILES)
+        timed_variants("norm fwd", norms, lambda: norms.norm_fwd(x, w, b, 1e-6, G), 2 * L * C * e,
+                       fwd_tiles(norms, FWD_TILES))
         line("norm fwd: inductor", us(lambda: cf(x, w, b)), 2 * L * C * e)
 
         def ind_bwd(dy, x, mean, rstd, w):
@@ -101,20 +100,21 @@ def main():
 
         cb = torch.compile(ind_bwd)
         line("norm bwd: inductor", us(lambda: cb(dy, x, mean, rstd, w)), 3 * L * C * e)
-        tile_variants("norm bwd", norms, lambda: norms.norm_bwd(dy, x, w, mean, rstd, G), 3 * L * C * e,
-                      (None, (1, 4, 4), (2, 4, 4), (4, 4, 4), (4, 8, 4), (8, 8, 4), (2, 4, 8), (4, 4, 8), (1, 2, 8),
-                       (8, 16, 2)))
+        timed_variants("norm bwd", norms, lambda: norms.norm_bwd(dy, x, w, mean, rstd, G), 3 * L * C * e,
+                       bwd_tiles(norms, (None, (1, 4, 4), (2, 4, 4), (4, 4, 4), (4, 8, 4), (8, 8, 4), (2, 4, 8),
+                                         (4, 4, 8), (1, 2, 8), (8, 16, 2))))
         # output block: y = u * Norm(attn) and its backward
-        fwd_tile_variants("out fwd (y)", SB, lambda: SB.output_y(x, u, w, b, 1e-6, G, False), 3 * L * C * e,
-                          FWD_TILES)
+        timed_variants("out fwd (y)", SB, lambda: SB.output_y(x, u, w, b, 1e-6, G, False), 3 * L * C * e,
+                       fwd_tiles(SB, FWD_TILES))
 
         def ind_out(a, u, w, b):
             return u * ind_fwd(a, w, b)
 
         co = torch.compile(ind_out)
         line("out fwd (y): inductor", us(lambda: co(a=x, u=u, w=w, b=b)), 3 * L * C * e)
-        tile_variants("out bwd", SB, lambda: SB.output_y_bwd(dy, x, u, w, b, mean, rstd, G, False), 5 * L * C * e,
-                      (None, (1, 4, 16), (1, 8, 8), (1, 8, 4), (1, 2, 16), (1, 16, 2), (2, 4, 8), (8, 16, 2)))
+        timed_variants("out bwd", SB, lambda: SB.output_y_bwd(dy, x, u, w, b, mean, rstd, G, False), 5 * L * C * e,
+                       bwd_tiles(SB, (None, (1, 4, 16), (1, 8, 8), (1, 8, 4), (1, 2, 16), (1, 16, 2), (2, 4, 8),
+                                      (8, 16, 2))))
         xr, ur = (t.detach().requires_grad_() for t in (x, u))
         outc = co(xr, ur, w, b)
         line("out bwd: inductor (autograd of the fwd)",
