@@ -8,7 +8,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode  # plain_eag
 __all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "aot_eager", "mode_options", "guarded", "plain_eager",
            "njt_view_target", "is_njt", "size_hint", "shape_env_hints", "specialize_ints", "install_ddp_pre_split",
            "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "unwrap_backend", "promoted_float_inputs",
-           "compile_reason", "capture_graph_break_logs", "install_frame_config", "no_fake_mode"]
+           "compile_reason", "capture_graph_break_logs", "install_frame_config", "install_exact_int_rounding",
+           "no_fake_mode", "dynamo_control_flow"]
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
@@ -36,6 +37,22 @@ def trace_aten(fn, args, **_ignored) -> torch.fx.GraphModule:
 
     with enable_python_dispatcher():
         return make_fx(fn, tracing_mode="real", decomposition_table=_RETRACE_DECOMPS)(*args)
+
+
+def trace_aten_functional(fn, args) -> torch.fx.GraphModule:
+    """:func:`trace_aten` with in-place ops replaced by their out-of-place twins (``torch.func.functionalize``,
+    views kept): a tensor read after an in-place op on it (``s.masked_fill_(m, 0)`` whose result is
+    discarded) is then a read of that op's result, so the rewriters see data flow as it is."""
+    return trace_aten(torch.func.functionalize(fn, remove="mutations"), args)
+
+
+def mutates(gm: torch.fx.GraphModule) -> bool:
+    """Whether a node of ``gm`` writes one of its arguments in place (its schema says so)."""
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return True
+    return False
 
 
 def _baddbmm_without_input(inp, b1, b2, *, beta=1, alpha=1):
@@ -115,6 +132,30 @@ def shape_env_hints(shape_env) -> dict:
     if table is None:
         table = shape_env.var_to_val
     return {k: int(v) for k, v in table.items() if getattr(v, "is_Integer", True)}
+
+
+def known_equal(shape_env, a, b) -> bool:
+    """Whether the sizes ``a == b`` (sympy expressions) follow from what ``shape_env`` knows (its
+    replacements and runtime asserts, e.g. an unbacked size asserted equal to a backed one), without
+    adding a guard. Private API, same signature in torch 2.11 and 2.13."""
+    import sympy
+
+    if shape_env is None:
+        return False
+    try:
+        r = shape_env._maybe_evaluate_static(sympy.Eq(a, b))
+    except Exception:  # a failure to simplify means "not known"
+        return False
+    return r is not None and bool(r == sympy.true)
+
+
+def dynamo_control_flow() -> tuple:
+    """Exceptions Dynamo raises through a backend to steer the compile, not failures: a restart of
+    the frame's analysis (e.g. ``TensorifyScalarRestartAnalysis`` from AOTAutograd's float pass) and
+    a request to skip the frame. A backend's fallback must let them through."""
+    from torch._dynamo import exc
+
+    return tuple(t for t in (getattr(exc, "RestartAnalysis", None), getattr(exc, "SkipFrame", None)) if t is not None)
 
 
 def no_fake_mode():
@@ -357,7 +398,21 @@ def capture_graph_break_logs(sink):
 # frame compile; the start callback finds the compile's backend in the caller frame of
 # ``convert_frame._compile`` (its ``compiler_fn`` argument, unchanged through 2.13) and patches the
 # config for that compile only. Any missing piece: nothing is patched (Dynamo's default stays).
+#
+# ``torch._dynamo.reset()`` empties the callback lists (``callback_handler.clear()``, 2.4 .. 2.14),
+# so the handler's ``clear`` is wrapped to register ours again right after: the first frame traced
+# after a reset gets our config too.
+#
+# A frame whose trace fails under our config is traced again with Dynamo's defaults: Dynamo's own
+# retry loop (``compile_frame``, 2.11 .. 2.14) traces a frame again when ``trace_frame`` raises
+# ``RestartAnalysis``; a wrapper of ``trace_frame`` turns the failure into that, after putting the
+# config back. Without ``trace_frame`` (older torch) the failure reaches the user as before.
 # --------------------------------------------------------------------------------------------
+
+# hooks: (wants, patches_for, may_retrace, retraced) of install_frame_config; active: one entry per
+# outermost frame compile under way ({"saved": values before our patches, "patches": ours, "failure"})
+_FRAMES = {"hooks": None, "active": []}
+
 
 def _compiling_backend():
     import sys
@@ -370,30 +425,164 @@ def _compiling_backend():
     return None
 
 
-def install_frame_config(wants, patches_for) -> str | None:
-    """Around every outermost Dynamo frame compile whose backend ``b`` (unwrapped) has
-    ``wants(b)``, set ``torch._dynamo.config`` to ``patches_for()`` (a dict, read per compile) and
-    restore it afterwards. Idempotent per ``wants``. Returns None, or why it is not installed."""
+def install_frame_config(wants, patches_for, may_retrace=None, retraced=None) -> str | None:
+    """Around every outermost Dynamo frame compile whose backend ``b`` (unwrapped) has ``wants(b)``,
+    set ``torch._dynamo.config`` to ``patches_for()`` (a dict, read per compile) and restore it
+    afterwards, also after ``torch._dynamo.reset()``. When tracing such a frame raises ``e`` and
+    ``may_retrace(e)``, the frame is traced again with the config it had before our patches, and
+    ``retraced(e)`` is called once that trace succeeded. Idempotent; a later call replaces the
+    functions. Returns None, or why the config or the re-trace is not installed."""
     from torch._dynamo import callback_handler
 
     if not hasattr(callback_handler, "register_start_callback"):
         return "this torch has no Dynamo compile callbacks"
-    if any(getattr(cb, "_hstu_wants", None) is wants for cb in callback_handler.start_callbacks):
+    _FRAMES["hooks"] = (wants, patches_for, may_retrace, retraced)
+    _register_frame_callbacks(callback_handler)
+    _keep_across_reset(callback_handler)
+    return None if may_retrace is None else _install_retrace()
+
+
+def _frame_start(_args) -> None:
+    wants, patches_for = _FRAMES["hooks"][:2]
+    backend = _compiling_backend()
+    patches = dict(patches_for()) if backend is not None and wants(unwrap_backend(backend)[0]) else {}
+    cfg = torch._dynamo.config
+    patches = {k: v for k, v in patches.items() if getattr(cfg, k) != v}  # only what changes the trace
+    _FRAMES["active"].append({"saved": {k: getattr(cfg, k) for k in patches}, "patches": patches, "failure": None})
+    for k, v in patches.items():
+        setattr(cfg, k, v)
+
+
+def _frame_end(_args) -> None:
+    entry = _FRAMES["active"].pop() if _FRAMES["active"] else None
+    _restore(entry)
+
+
+def _restore(entry) -> None:
+    for k, v in (entry["saved"] if entry else {}).items():
+        setattr(torch._dynamo.config, k, v)
+
+
+def _register_frame_callbacks(handler) -> None:
+    if _frame_start not in handler.start_callbacks:
+        handler.register_start_callback(_frame_start)
+        handler.register_end_callback(_frame_end)
+
+
+def _keep_across_reset(handler) -> None:
+    """Wrap ``handler.clear`` (what ``torch._dynamo.reset()`` calls) to put our callbacks back."""
+    clear = handler.clear
+    if getattr(clear, "_hstu_keeps_frame_config", False):
+        return
+
+    def clear_keeping_frame_config(*args, **kwargs):
+        try:
+            return clear(*args, **kwargs)
+        finally:
+            _register_frame_callbacks(handler)
+
+    clear_keeping_frame_config._hstu_keeps_frame_config = True
+    handler.clear = clear_keeping_frame_config
+
+
+def _install_retrace() -> str | None:
+    import functools
+
+    from torch._dynamo import convert_frame, exc
+
+    orig = getattr(convert_frame, "trace_frame", None)
+    if orig is None or not hasattr(convert_frame, "compile_frame"):
+        return (f"a frame failing under it is not traced again "
+                f"(no convert_frame.trace_frame in torch {torch.__version__})")
+    if getattr(orig, "_hstu_retrace", False):
         return None
-    cfg, saved = torch._dynamo.config, []
 
-    def start(_args):
-        backend = _compiling_backend()
-        patches = patches_for() if backend is not None and wants(unwrap_backend(backend)[0]) else {}
-        saved.append({k: getattr(cfg, k) for k in patches})
-        for k, v in patches.items():
-            setattr(cfg, k, v)
+    @functools.wraps(orig)
+    def trace_frame(*args, **kwargs):
+        entry = _FRAMES["active"][-1] if _FRAMES["active"] else None
+        try:
+            out = orig(*args, **kwargs)
+        except (exc.RestartAnalysis, exc.SkipFrame):
+            raise
+        except Exception as e:
+            if not _retrace_wanted(entry, e):
+                raise
+            raise _restart_with_defaults(entry, e, exc) from e
+        if entry is not None and entry["failure"] is not None:
+            failure, entry["failure"] = entry["failure"], None
+            _FRAMES["hooks"][3](failure)
+        return out
 
-    def end(_args):
-        for k, v in (saved.pop() if saved else {}).items():
-            setattr(cfg, k, v)
-
-    start._hstu_wants = wants
-    callback_handler.register_start_callback(start)
-    callback_handler.register_end_callback(end)
+    trace_frame._hstu_retrace = True
+    convert_frame.trace_frame = trace_frame
     return None
+
+
+def _retrace_wanted(entry, e) -> bool:
+    """Our patches were applied to this compile, not yet undone, and the backend agrees."""
+    may_retrace = _FRAMES["hooks"][2]
+    return bool(entry and entry["patches"] and entry["failure"] is None and may_retrace and may_retrace(e))
+
+
+def _restart_with_defaults(entry, e, exc):
+    """Put the config back for the rest of this compile and ask Dynamo to trace the frame again."""
+    _restore(entry)
+    names = sorted(entry["patches"])
+    entry["patches"], entry["failure"] = {}, e
+    restart = exc.RestartAnalysis()
+    restart.restart_reason = (f"hstu_inductor: tracing with {names} failed ({type(e).__name__}); "
+                              "again with Dynamo's defaults")
+    # what Dynamo's retry loop cleans up after a failed attempt
+    restart._torch_dynamo_tracer_output = getattr(e, "_torch_dynamo_tracer_output", None)
+    return restart
+
+
+# --------------------------------------------------------------------------------------------
+# Exact integer rounding of size bounds. ``FloorToInt`` / ``CeilToInt`` (torch.utils._sympy.functions,
+# 2.4 .. 2.14) round a sympy Rational through a float64, which is off past 2**53. When a size
+# with the unbacked bound ``sys.maxsize - 1`` (``nonzero``, ``masked_select``, a boolean-mask index)
+# is equated with ``K * s`` (``masked_select(...).view(L, K)``), ``ShapeEnv._set_replacement`` solves
+# ``s <= (2**63 - 2) / K``, whose float rounds up to ``2**63 / K`` for K = 2, 16, 512, ...; the bound
+# it then derives for ``K * s`` (``2**63``) exceeds the size's own and its sanity check fails
+# ("tgt_bound=VR[1024, 9223372036854775808] not a subset of src_bound=VR[1024, 9223372036854775806]").
+# Stock settings never trace these ops into a graph (they break it); our frame config does.
+# --------------------------------------------------------------------------------------------
+
+def install_exact_int_rounding() -> str | None:
+    """Make ``FloorToInt`` / ``CeilToInt`` of a Rational exact (integer arithmetic); floats and
+    symbolic arguments keep torch's own evaluation. Idempotent. None, or why not installed."""
+    import sympy
+    from torch.utils._sympy import functions
+
+    patched = False
+    for name, rounding in (("FloorToInt", _floor_div), ("CeilToInt", _ceil_div)):
+        cls = getattr(functions, name, None)
+        if cls is None or not callable(getattr(cls, "eval", None)):
+            return f"torch.utils._sympy.functions.{name} missing in torch {torch.__version__}"
+        if getattr(cls.eval, "_hstu_exact", False):
+            continue
+        cls.eval = classmethod(_exact_eval(cls.eval, rounding))
+        patched = True
+    if patched:  # values computed before, through the float, stay in sympy's cache otherwise
+        sympy.core.cache.clear_cache()
+    return None
+
+
+def _floor_div(p: int, q: int) -> int:
+    return p // q
+
+
+def _ceil_div(p: int, q: int) -> int:
+    return -(-p // q)
+
+
+def _exact_eval(orig_eval, rounding):
+    import sympy
+
+    def eval(cls, number):
+        if isinstance(number, sympy.Rational):  # Integer included; q > 0 in sympy
+            return sympy.Integer(rounding(int(number.p), int(number.q)))
+        return orig_eval(number)
+
+    eval._hstu_exact = True
+    return eval

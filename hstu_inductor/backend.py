@@ -16,6 +16,16 @@ rewritten blocks (each hstu op is one node), and each piece then gets step 3 alo
 
 Because the hstu ops are in the graph Inductor receives, Inductor's FX graph cache keys them
 like any other op; AOTAutograd differentiates through their registered autograd.
+
+Safety net: an exception of any of our stages (canonicalise, ATen retrace, rewriters, cost rule, the
+compile of the rewritten graph) makes :func:`_fall_back` compile the *original* graph as the stock
+backend would (``compile_fx`` with the user's mode and options; ``aot_eager`` for ``hstu_eager``),
+with one warning and a ``RewriteReport.fallbacks`` entry naming the stage and the exception
+(``explain()`` prints it). A frame whose Dynamo trace fails under our frame config is traced again
+with Dynamo's defaults (``_compat.install_frame_config``; same warning and report). Exceptions by
+which Dynamo steers a compile (a restart of the frame's analysis, a skipped frame) pass through, and
+``config.strict = True`` re-raises instead of falling back. What a failed stage added to the frame's
+``ShapeEnv`` (guards, size facts) stays: the fallback compiles the same graph, not a fresh trace.
 """
 from __future__ import annotations
 
@@ -35,11 +45,12 @@ __all__ = ["hstu_backend", "hstu_eager_backend"]
 
 def hstu_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """Dynamo backend entry: ``fn(gm, example_inputs, **kw)``; accepts ``mode=`` and ``options=``."""
-    patches = {**_compat.mode_options(mode), **(options or {})}
-    patches["post_grad_custom_post_pass"] = _with_audit(patches.get("post_grad_custom_post_pass"))
+    user = {**_compat.mode_options(mode), **(options or {})}
+    patches = {**user, "post_grad_custom_post_pass": _with_audit(user.get("post_grad_custom_post_pass"))}
     cudagraphs = bool(patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs))
     return _compile(gm, lambda g: _compat.compile_fx(g, example_inputs, patches),
-                    cost=lambda g: cost_rule.decide(g, example_inputs, cudagraphs))
+                    stock=("stock Inductor", lambda g: _compat.compile_fx(g, example_inputs, user)),
+                    cost=lambda g: cost_rule.decide(g, example_inputs, cudagraphs), example_inputs=example_inputs)
 
 
 def hstu_eager_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
@@ -52,54 +63,132 @@ def hstu_eager_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | Non
     if mode not in (None, "default") or options:
         raise ValueError(f'backend="hstu_eager" runs no Inductor, so it takes no mode or options (got mode={mode!r}, '
                          f'options={options!r}); use backend="hstu" for those')
-    return _compile(gm, lambda g: _compat.aot_eager(g, example_inputs))
+    run = lambda g: _compat.aot_eager(g, example_inputs)  # noqa: E731
+    return _compile(gm, run, stock=("aot_eager", run), example_inputs=example_inputs)
 
 
-def _compile(gm: torch.fx.GraphModule, compile_rewritten, cost=None):
+def _compile(gm: torch.fx.GraphModule, compile_rewritten, stock, cost=None, example_inputs=None):
     """Rewrite ``gm`` and compile the result, as one staged report (``report.staged``): when Dynamo
     abandons the compile by raising through it (it restarts the frame's analysis, e.g. under
     ``dynamic=True`` once a float input got specialised, and calls the backend again), nothing of it
     is counted; the redo is. ``cost``: the cost rule (``cost_rule.decide``), which may keep ``gm``
-    as it is, or compile both and pick per call. Then warn about graph breaks seen to split an HSTU
+    as it is, or compile both and pick per call. ``stock``: ``(name, compile)`` of the stock backend,
+    for the safety net (module docstring). Then warn about graph breaks seen to split an HSTU
     candidate."""
     from . import graph_breaks
-    from .report import staged
+    from .report import StageFailed, staged
 
-    _install_frame_config()  # again: torch._dynamo.reset() drops Dynamo's compile callbacks
+    _install_frame_config()  # again, in case something removed Dynamo's compile callbacks
     with staged() as stage:
-        rewritten = _rewritten(gm)
-        if not getattr(_state, "ddp_pieces", False):  # a DDP piece: recorded whole, before the split
-            graph_breaks.record_graph(gm, stage)
-        decision = _decide(cost, rewritten) if cost is not None and rewritten is not gm else None
-        if decision is not None:
-            line = decision.describe()
-            if decision.choice == "inductor":  # the graph is kept whole: what was found, not counted as rewritten
-                line += " (found: " + ", ".join(f"{k} {n}" for k, n in stage.counts.items() if n) + ")"
-                stage.counts = dict.fromkeys(stage.counts, 0)
-            stage.cost_rule.append(line)
-            log.info("hstu_inductor: cost rule: %s", line)
-        if decision is None or decision.choice == "hstu":
-            compiled = compile_rewritten(rewritten)
-        elif decision.choice == "inductor":
-            compiled = compile_rewritten(gm)
-        else:
-            compiled = cost_rule.SizeDispatch(decision, compile_rewritten(gm), compile_rewritten(rewritten))
+        try:
+            compiled = _rewrite_and_compile(gm, stage, compile_rewritten, cost, example_inputs, stock)
+        except StageFailed as failure:
+            compiled = _fall_back(gm, stage, failure, stock)
     graph_breaks.warn_splits(stage.records)
     return compiled
 
 
-def _decide(cost, rewritten):
-    """The cost rule's decision; a failure of the rule keeps the rewrite (raises under ``config.strict``)."""
-    try:
-        return cost(rewritten)
-    except Exception:
-        if config.strict:
-            raise
-        log.exception("hstu_inductor: cost rule failed; the graph stays rewritten")
-        return None
+def _rewrite_and_compile(gm, stage, compile_rewritten, cost, example_inputs=None, stock=None):
+    """Steps 1-3 of the module docstring; an exception of ours comes out as ``report.StageFailed``.
+    A rewrite that read module state by value runs behind a :class:`ConstantGuard`."""
+    from .patterns.constants import module_state
+    from .report import stage as failing
+
+    state = module_state(gm, example_inputs) if example_inputs is not None else None
+    rewritten = _rewritten(gm, state)
+    read = rewritten.meta.get("hstu_constants", []) if rewritten is not gm else []
+    compiled = _compile_decided(gm, rewritten, stage, compile_rewritten, cost, failing)
+    if read and stock is not None:
+        return ConstantGuard(compiled, {i: state[i] for i in read}, lambda args: stock[1](gm), stock[0])
+    return compiled
 
 
-def _rewritten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def _compile_decided(gm, rewritten, stage, compile_rewritten, cost, failing):
+    """The cost rule's choice between ``gm`` and ``rewritten``, compiled."""
+    from . import graph_breaks
+
+    if not getattr(_state, "ddp_pieces", False):  # a DDP piece: recorded whole, before the split
+        graph_breaks.record_graph(gm, stage)
+    decision = None
+    if cost is not None and rewritten is not gm:
+        with failing("cost rule"):
+            decision = cost(rewritten)
+    if decision is not None:
+        _record_decision(decision, stage)
+    with failing("compile"):
+        if decision is None or decision.choice == "hstu":
+            return compile_rewritten(rewritten)
+        if decision.choice == "inductor":
+            return compile_rewritten(gm)
+        return cost_rule.SizeDispatch(decision, compile_rewritten(gm), compile_rewritten(rewritten))
+
+
+def _record_decision(decision, stage) -> None:
+    line = decision.describe()
+    if decision.choice == "inductor":  # the graph is kept whole: what was found, not counted as rewritten
+        line += " (found: " + ", ".join(f"{k} {n}" for k, n in stage.counts.items() if n) + ")"
+        stage.counts = dict.fromkeys(stage.counts, 0)
+    stage.cost_rule.append(line)
+    log.info("hstu_inductor: cost rule: %s", line)
+
+
+def _fall_back(gm, stage, failure, stock):
+    """Compile the original ``gm`` with the stock backend, as if we had found nothing, and report the
+    failure: one warning and a ``fallbacks`` entry. An exception of the stock compile is the stock
+    backend's own and propagates (chained to ours)."""
+    from . import graph_breaks
+    from .report import Fallback, describe_error
+
+    name, compile_stock = stock
+    compiled = compile_stock(gm)
+    stage.counts = dict.fromkeys(stage.counts, 0)
+    stage.details.clear()
+    stage.cost_rule.clear()
+    stage.lowered.clear()  # the failed compile's audit; the stock compile has none
+    for rec in stage.records:
+        rec.counts = dict(stage.counts)
+    if not getattr(_state, "ddp_pieces", False):  # a DDP piece: counted with its whole graph
+        stage.graphs = max(stage.graphs, 1)
+        if not stage.records:
+            graph_breaks.record_graph(gm, stage)
+    _report_fallback(stage, Fallback(failure.stage, describe_error(failure.error),
+                                     f"the original graph was compiled by {name}"), failure.error)
+    return compiled
+
+
+def _report_fallback(report, fallback, error) -> None:
+    report.fallbacks.append(fallback)
+    log.warning("hstu_inductor: %s", fallback)
+    log.debug("hstu_inductor: %s failure", fallback.stage, exc_info=error)
+
+
+class ConstantGuard:
+    """The compiled rewrite, run while the module state it read by value is unchanged: the same
+    storage and version counter as at compile time (an in-place update moves the counter, a new
+    tensor assigned to the attribute has another storage). Otherwise the original graph, compiled by
+    the stock backend on first need, runs from then on: a changed mask is never read stale."""
+
+    def __init__(self, compiled, tensors: dict, compile_stock, stock_name: str):
+        self.compiled = compiled
+        self.checks = [(i, t.data_ptr(), t._version) for i, t in tensors.items()]
+        self.compile_stock = compile_stock
+        self.stock_name = stock_name
+        self.stock = None
+
+    def _unchanged(self, args) -> bool:
+        return all(args[i].data_ptr() == ptr and args[i]._version == ver for i, ptr, ver in self.checks)
+
+    def __call__(self, *args):
+        if self.stock is None and self._unchanged(args):
+            return self.compiled(*args)
+        if self.stock is None:
+            log.warning("hstu_inductor: module state read by the rewrite changed since compile; running the "
+                        "original graph (%s) from now on", self.stock_name)
+            self.stock = self.compile_stock(args)
+        return self.stock(*args)
+
+
+def _rewritten(gm: torch.fx.GraphModule, module_state: dict | None = None) -> torch.fx.GraphModule:
     """Steps 1-2 of the module docstring: ``gm`` with its proven HSTU subgraphs replaced (``gm``
     itself when nothing was rewritten, or when it is a DDP piece of a graph rewritten whole)."""
     config.validate()
@@ -109,7 +198,7 @@ def _rewritten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if getattr(_state, "ddp_pieces", False):
         return gm  # a piece of a graph already rewritten whole, before the DDP split
     _report_ddp_piece(gm)
-    rewritten = rewrite_dynamo_graph(gm)
+    rewritten = rewrite_dynamo_graph(gm, module_state)
     if rewritten is None:
         return gm
     log.debug("hstu_inductor: rewritten graph\n%s", rewritten.code)
@@ -138,11 +227,19 @@ def _rewrite_before_ddp_split(split, backend, gm):
         return split(gm)
     from . import graph_breaks, ops  # noqa: F401
     from .patterns import rewrite_dynamo_graph
-    from .report import staged
+    from .report import Fallback, StageFailed, describe_error, staged
 
     config.validate()
     with staged() as stage:  # the whole graph's rewrites and its pieces' compiles, counted only together
-        rewritten = rewrite_dynamo_graph(gm)
+        try:
+            rewritten = rewrite_dynamo_graph(gm)
+        except StageFailed as failure:  # the pieces are cut from the original graph, as without the hook
+            rewritten = None
+            stage.counts = dict.fromkeys(stage.counts, 0)
+            stage.details.clear()
+            stage.graphs = max(stage.graphs, 1)
+            _report_fallback(stage, Fallback(failure.stage, describe_error(failure.error),
+                                             "the DDP pieces were cut from the original graph"), failure.error)
         graph_breaks.record_graph(gm, stage)
         if rewritten is not None and not _compat.carry_dynamo_placeholder_meta(gm, rewritten):
             log.warning("hstu_inductor: ATen retrace changed the graph inputs; DDP pieces compiled unrewritten")
@@ -205,14 +302,34 @@ def _frame_config() -> dict:
     return {"capture_dynamic_output_shape_ops": True} if config.capture_dynamic_shape_ops else {}
 
 
+def _frame_may_retrace(error: Exception) -> bool:
+    """Whether a frame whose trace raised ``error`` under :func:`_frame_config` is traced again with
+    Dynamo's defaults (else the error reaches the user): always, unless ``config.strict``."""
+    return not config.strict
+
+
+def _frame_retraced(error: Exception) -> None:
+    """The trace with Dynamo's defaults succeeded: one warning, and a fallback in the report."""
+    from .report import Fallback, RewriteReport, describe_error, publish
+
+    report = RewriteReport()
+    names = ", ".join(sorted(_frame_config())) or "our frame config"
+    _report_fallback(report, Fallback("frame trace", describe_error(error),
+                                      f"the frame was traced again without {names} (Dynamo's defaults)"), error)
+    publish(report)
+
+
 def _install_frame_config() -> None:
-    """Install :func:`_frame_config` for our frames (idempotent). At import, and on every backend call:
-    ``torch._dynamo.reset()`` clears Dynamo's compile callbacks, so after a reset the first frame
-    is traced with Dynamo's defaults and the frames after it with ours."""
-    reason = _compat.install_frame_config(_is_ours, _frame_config)
-    if reason is not None and not getattr(_state, "frame_config_logged", False):
+    """Install :func:`_frame_config` for our frames and the re-trace of frames that fail under it
+    (idempotent; it survives ``torch._dynamo.reset()``). Also makes the size-bound rounding exact
+    (``_compat.install_exact_int_rounding``): the unbacked sizes our config lets into graphs hit a
+    float rounding of torch's that fails the trace (see that function)."""
+    reasons = [_compat.install_exact_int_rounding(),
+               _compat.install_frame_config(_is_ours, _frame_config, _frame_may_retrace, _frame_retraced)]
+    reasons = [r for r in reasons if r is not None]
+    if reasons and not getattr(_state, "frame_config_logged", False):
         _state.frame_config_logged = True
-        log.info("hstu_inductor: Dynamo config for our frames not applied (%s)", reason)
+        log.info("hstu_inductor: Dynamo config for our frames not fully applied (%s)", "; ".join(reasons))
 
 
 def register() -> None:

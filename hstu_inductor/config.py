@@ -83,11 +83,17 @@ cost_rule: str = os.environ.get("HSTU_INDUCTOR_COST_RULE", "auto")
 #: inference, lost at 67M and won at 134M in training. Hosts with faster single-thread Python lower both.
 cost_rule_min_work: dict = {"infer": 24e6, "train": 96e6}
 
+#: How the attention rewriter proves what a candidate computes: "meaning" reads every tensor element at
+#: symbolic coordinates and decides the mask with z3, at any size (the decision; numeric probes cross-check
+#: it where they are cheap); "probes" runs the user's ops on small random inputs only (the older prover,
+#: for comparison; it declines candidates too large to probe). docs/patterns.md, "The proof".
+prover: str = os.environ.get("HSTU_INDUCTOR_PROVER", "meaning")
+
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"
 
 _VALID = {"tma": ("auto", "on", "off"), "kernels": ("auto", "off"), "gluon": ("auto", "off"), "block_backward": ("save", "recompute"),
-          "check_inputs": ("auto", "always", "off"), "cost_rule": ("auto", "off")}
+          "check_inputs": ("auto", "always", "off"), "cost_rule": ("auto", "off"), "prover": ("meaning", "probes")}
 
 
 def validate() -> None:
@@ -112,7 +118,7 @@ def snapshot() -> dict:
             "block_backward": block_backward, "fuse_u_silu": fuse_u_silu, "check_inputs": check_inputs,
             "strict": strict,
             "specialize_features": specialize_features, "capture_dynamic_shape_ops": capture_dynamic_shape_ops,
-            "rab_tables": rab_tables, "cost_rule": cost_rule, "cost_rule_min_work": dict(cost_rule_min_work)}
+            "rab_tables": rab_tables, "prover": prover, "cost_rule": cost_rule, "cost_rule_min_work": dict(cost_rule_min_work)}
 
 
 @contextlib.contextmanager

@@ -37,6 +37,54 @@ class GraphBreak:
 
 
 @dataclasses.dataclass
+class Fallback:
+    """A graph (or frame) where a stage of ours raised, and what was compiled instead.
+
+    ``stage``: ``"canonicalise"``, ``"ATen retrace"``, ``"rewriters"``, ``"cost rule"``, ``"compile"``
+    (Inductor or AOTAutograd on the rewritten graph) or ``"frame trace"`` (Dynamo tracing the frame
+    under our frame config); ``error``: the exception, ``"Type: message"`` (condensed)."""
+
+    stage: str
+    error: str
+    instead: str
+
+    def __str__(self) -> str:
+        return f"{self.stage} failed ({self.error}); {self.instead}"
+
+
+def describe_error(e: BaseException, limit: int = 600) -> str:
+    """``"Type: message"``, the message's first lines only (torch's can run to pages)."""
+    text = " ".join(line.strip() for line in str(e).strip().splitlines()[:4] if line.strip())
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class StageFailed(Exception):
+    """An exception of one of our stages (:func:`stage`), for the backend to fall back on."""
+
+    def __init__(self, stage_name: str, error: Exception):
+        super().__init__(f"{stage_name}: {describe_error(error)}")
+        self.stage, self.error = stage_name, error
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    """Raise an exception of the block as :class:`StageFailed` naming ``name``. Under
+    ``config.strict``, and for the exceptions Dynamo steers a compile with (a restart of the frame's
+    analysis, a skipped frame: ``_compat.dynamo_control_flow``), the exception passes unchanged."""
+    from . import _compat, config
+
+    try:
+        yield
+    except StageFailed:
+        raise
+    except Exception as e:
+        if config.strict or isinstance(e, _compat.dynamo_control_flow()):
+            raise
+        raise StageFailed(name, e) from e
+
+
+@dataclasses.dataclass
 class RewriteReport:
     """Counts of rewritten subgraphs per kind, and ``(kind, reason)`` for candidates left alone."""
 
@@ -47,6 +95,8 @@ class RewriteReport:
     graphs: int = 0
     cost_rule: list = dataclasses.field(default_factory=list)  # one line per graph the cost rule decided
     graph_breaks: list = dataclasses.field(default_factory=list)  # GraphBreak, filled by explain()
+    fallbacks: list = dataclasses.field(default_factory=list)  # Fallback: a stage of ours raised
+    proofs: list = dataclasses.field(default_factory=list)  # (kind, node, seconds) per proven candidate
     # one ``graph_breaks.GraphRecord`` per Dynamo graph compiled (where it starts/ends, what it holds)
     records: list = dataclasses.field(default_factory=list, repr=False)
 
@@ -60,6 +110,9 @@ class RewriteReport:
             lines += [f"    - {kind}: {reason}" for kind, reason in self.near_misses]
         else:
             lines.append("  near misses: none")
+        if self.fallbacks:
+            lines.append(f"  fallbacks ({len(self.fallbacks)}):")
+            lines += [f"    ! {f}" for f in self.fallbacks]
         lines += [f"  cost rule: {what}" for what in self.cost_rule]
         if self.graph_breaks:
             lines.append(f"  graph breaks ({len(self.graph_breaks)}):")
@@ -85,6 +138,8 @@ class RewriteReport:
         self.graphs += other.graphs
         self.cost_rule += other.cost_rule
         self.graph_breaks += other.graph_breaks
+        self.fallbacks += other.fallbacks
+        self.proofs += other.proofs
         self.records += other.records
 
 
@@ -138,5 +193,5 @@ def publish(report: RewriteReport) -> None:
         return
     for collector in _active():
         collector.merge(report)
-    if any(report.counts.values()) or report.near_misses:
+    if any(report.counts.values()) or report.near_misses or report.fallbacks:
         log.info("%s", report)

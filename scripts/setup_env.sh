@@ -16,10 +16,10 @@ want_examples=0; [ "${1:-}" = "--examples" ] && want_examples=1
 pip() { "$VENV/bin/python" -m pip "$@"; }
 quiet() { grep -v -e "is ignored: it is neither" -e "^$" || true; }
 
-# One probe (importing torch once) names what is missing: torch (>=2.11), triton, numpy, the test
+# One probe (importing torch once) names what is missing: torch (>=2.11), triton, numpy, z3, the test
 # tools, fbgemm, and the editable install of this checkout (its "hstu" and "hstu_eager"
 # torch_dynamo_backends entry points).
-missing=$("$VENV/bin/python" - <<'PROBE' 2>/dev/null || echo "torch triton numpy tools extras fbgemm editable"
+missing=$("$VENV/bin/python" - <<'PROBE' 2>/dev/null || echo "torch triton numpy z3 tools extras fbgemm editable"
 import importlib.util as u, os, sys
 out = []
 try:
@@ -28,7 +28,7 @@ try:
         out.append("torch")
 except ImportError:
     out.append("torch")
-out += [m for m in ("triton", "numpy") if u.find_spec(m) is None]
+out += [m for m in ("triton", "numpy", "z3") if u.find_spec(m) is None]
 if any(u.find_spec(m) is None for m in ("pytest", "xdist", "expecttest", "hypothesis", "tqdm")):
     out.append("tools")
 if any(u.find_spec(m) is None for m in ("tqdm", "matplotlib")):
@@ -55,6 +55,7 @@ needs() { [[ " $missing " == *" $1 "* ]]; }
 want=()
 needs torch && want+=(torch==2.13.0)
 needs triton && want+=(triton==3.6.0)
+needs z3 && want+=("z3-solver>=4.12")
 { needs numpy || [ ${#want[@]} -gt 0 ]; } && want+=("numpy<2.3")
 [ $want_test = 1 ] && needs tools && want+=(pytest pytest-xdist expecttest hypothesis tqdm)
 if [ ${#want[@]} -gt 0 ]; then

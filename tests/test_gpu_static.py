@@ -27,7 +27,6 @@ def test_static_b128_rewritten_and_correct(N):
     with collecting() as report:
         out = torch.compile(fn, backend="hstu", dynamic=False)(q, k, v, off, nt)
     assert report.counts["attention"] == 1, report.near_misses
-    assert any("generalised" in d for _, d in report.details)
     # reference in fp32, a few sequences at a time (the padded scores of the batch need 32 GB)
     errs_num, errs_den = 0.0, 0.0
     per = max(1, 2 ** 16 // N)

@@ -12,11 +12,12 @@ This module only drives the stages; each lives in its own module, read in this o
    are checked exactly: ``S`` contracts q/k features within a head, its batch covers every
    sequence and head once, ``X`` and ``Y`` pair the same (sequence, head), ``O`` is read back row by
    row (row scales on the output: ``attn_rowscale``).
-3. **Meaning** (``attn_prove``, on the probe tools of ``prover``). The user's own nodes are run on
-   random probes: each pad must equal ``reference.jagged_to_padded``; the score chain ``S -> X``
-   (mask built from offsets / num_targets) must equal ``mask * s * silu(alpha * S)`` for constants
-   taken from the graph; the unpad must read rows ``(b, n)`` of every jagged row. Static sizes too
-   large to probe are proven on a generalised copy of the graph (``generalize``).
+3. **Meaning** (``attn_prove`` -> ``attn_meaning``, on the value interpreter of ``core``). Every
+   tensor of the candidate is read one element at symbolic coordinates: each pad must be
+   ``jagged_to_padded``; the score chain ``S -> X`` (mask built from offsets / num_targets) must be
+   ``mask * s * silu(alpha * S)`` with the mask *equal* to HSTU's (decided by z3 for every length,
+   target count and position); the unpad must read row ``(b, n)`` for every jagged row. The cost
+   does not depend on the sizes. Random probes cross-check where they are cheap.
 4. **Rewrite** (``attn_emit``). The output node is replaced by ``hstu.attention`` on the jagged
    sources (re-laid-out as ``[L, H, D]`` with the proven head split); the dead subgraph is removed
    by DCE.
@@ -33,32 +34,15 @@ import time
 import torch
 
 from .. import config
-from . import attn_delta, buffers, generalize
+from . import attn_delta, buffers, constants
 from . import attn_layout as lay
-from .attn_emit import describe, fold_default_scale, rewrite
+from .attn_emit import describe, rewrite
 from .attn_find import BMM, find_score_product, is_square
 from .attn_prove import prove
 from .prover import Decline
-from .generalize import TooLarge
 from .registry import register
 
 log = logging.getLogger("hstu_inductor")
-
-
-def _prove_generalised(gm, e):
-    """``generalize.prove_generalised``; when the copy that generalises a table-bias term's producers
-    too (``e.table_cut``: for path (b)) does not generalise or prove, again with those terms cut
-    (path (a), their producers left as they are)."""
-    try:
-        return generalize.prove_generalised(gm, e, prove, rewrite)
-    except (generalize.GeneralizeError, Decline, lay.LayoutError) as first:
-        if not getattr(e, "table_cut", None):
-            raise
-        log.debug("hstu_inductor: generalised proof with the table bias's producers failed (%s); "
-                  "again with the bias cut out", first)
-        e.sizes.cut.update(e.table_cut)
-        e.table_cut = None
-        return generalize.prove_generalised(gm, e, prove, rewrite)
 
 
 @register("attention")
@@ -78,38 +62,29 @@ def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
             S = None
         if S is None or S in consumed:
             continue
-        generalised = None
+        start = time.perf_counter()
+        read = constants.used()
         try:
-            try:
-                plan = attn_delta.prove_delta(gm, S, node) if delta else prove(gm, S, node)
-            except TooLarge as e:  # static sizes too large to probe: prove a generalised copy
-                start = time.perf_counter()
-                try:
-                    plan = _prove_generalised(gm, e)
-                except generalize.GeneralizeError as g:
-                    raise Decline(f"{e}; generalising its sizes failed: {g}") from None
-                except (Decline, lay.LayoutError) as g:
-                    raise Decline(f"{e}; on the generalised graph: {g}") from None
-                generalised = time.perf_counter() - start
-                log.info("hstu_inductor: %s proven on a generalised graph in %.2f s", node.name, generalised)
+            plan = attn_delta.prove_delta(gm, S, node) if delta else prove(gm, S, node)
         except (Decline, lay.LayoutError) as e:
+            constants.restore(read)  # a declined candidate guards nothing
             report.near_misses.append(("attention", f"{node.name}: {e}"))
             continue
         except Exception as e:
+            constants.restore(read)
             if config.strict:
                 raise
             log.exception("hstu_inductor: attention prover failed on %s", node.name)
             report.near_misses.append(("attention", f"{node.name}: prover error {type(e).__name__}: {e}"))
             continue
+        seconds = time.perf_counter() - start
         if delta:
             attn_delta.rewrite_delta(gm, plan)
-        elif generalised is None:
-            rewrite(gm, plan)
         else:
-            fold_default_scale(gm)
+            rewrite(gm, plan)
         consumed |= {node, S}
         report.counts["attention"] += 1
         what = attn_delta.describe_delta(plan) if delta else describe(plan)
-        if generalised is not None:
-            what += f" [static sizes generalised, proof {generalised:.2f} s]"
         report.details.append(("attention", what))
+        report.proofs.append(("attention", node.name, seconds))
+        log.info("hstu_inductor: %s proven in %.2f s", node.name, seconds)

@@ -109,21 +109,6 @@ def cut_nodes(bias: Bias | None) -> set:
     return {t.node for t in bias.terms} if bias is not None else set()
 
 
-def cut_sizes(plan) -> dict:
-    """For ``generalize``: each bias term's dims that are the batch or N (times a head count)."""
-    out = {}
-    for t in (plan.rab.terms if plan.rab is not None else ()):
-        dims = {}
-        for d, dim in enumerate(t.layout):
-            modes = lay.normalize_dim(dim)
-            atoms = [m for m in modes if m[1] in ("b", "i", "j")]
-            rest = [m for m in modes if m[1] not in ("b", "i", "j")]
-            if len(atoms) == 1 and all(lay.to_expr(m[0]).is_Integer for m in rest):
-                dims[d] = ("B" if atoms[0][1] == "b" else "N", math.prod(int(m[0]) for m in rest))
-        out[t.node] = dims
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Probes
 

@@ -82,6 +82,8 @@ def _reshape(graph, x, feature_sizes):
 def _narrowed(graph, x: Operand):
     """The operand's jagged source with its proven feature slices applied (``src[:, a:b]``)."""
     t = x.src
+    if x.flat and meta_val(t).dim() != 2:
+        t = emit_call(graph, aten.reshape.default, [t, [-1, math.prod(x.feat)]])
     for k, start, length in x.narrows:
         t = emit_call(graph, aten.slice.Tensor, [t, 1 + k, start, start + length])
     return t
@@ -172,24 +174,6 @@ def emit_scale(graph, plan, dtype, device):
     if plan.scale_per_n:
         scale = emit_call(graph, aten.div.Tensor, [scale, plan.N_arg])
     return scale
-
-
-def fold_default_scale(gm) -> None:
-    """``attn_scale=scalar_tensor(c)`` with ``c * max_seq_len == 1`` -> None (the op's default 1/N).
-
-    A generalised proof (``generalize``) reads the literal of ``x / 640`` as a constant scale, not as
-    N's law, since the literal does not vary with the probes' N. Specialised back at the real N it is
-    the default: passing None keeps such calls in the fast paths (the Gluon forward takes no scale) and
-    scales in fp32 instead of by a scalar rounded to the inputs' dtype."""
-    for n in gm.graph.find_nodes(op="call_function", target=torch.ops.hstu.attention.default):
-        if len(n.args) < 8:
-            continue
-        s, N = n.args[7], n.args[4]
-        if (isinstance(s, torch.fx.Node) and s.target is torch.ops.aten.scalar_tensor.default
-                and isinstance(N, int) and N > 0 and abs(float(s.args[0]) * N - 1.0) <= 1e-9):
-            n.update_arg(7, None)
-            if not s.users:
-                gm.graph.erase_node(s)
 
 
 def replace_output(graph, plan, y, dtype):

@@ -22,8 +22,7 @@ import torch
 
 from .. import _compat, config
 from . import attn_layout as lay
-from .generalize import TooLarge
-from .prover import Decline, closure, is_static, sym_expr
+from .prover import Decline, TooLarge, closure, is_static, sym_expr
 from .sizes import SIZE_READS
 
 aten = torch.ops.aten
@@ -267,9 +266,10 @@ def source_candidates(D) -> list:
     same_rows = [x for x in chain if lay.eq(meta_val(x).shape[0], rows)]
     steps = [x for x in same_rows
              if not (meta_val(x).dim() == len(dshape) and all(map(lay.eq, meta_val(x).shape, dshape)))]
-    # none left: the source itself has the padded shape at these sizes (one sequence of N rows, whose
-    # pad [1, N, F] lost its size-1 batch), and the proof tells which one is read
-    return steps or same_rows
+    # a candidate of the padded shape comes last: it is a step of the pad, or, where sizes coincide
+    # (one sequence of N rows, whose pad [1, N, F] lost its size-1 batch), the source itself; the
+    # proof tells which one is read
+    return steps + [x for x in same_rows if x not in steps]
 
 
 def pad_source(D, skip: int = 0, cands=None) -> torch.fx.Node:
@@ -298,6 +298,7 @@ class Operand:
     # source: the operand reads ``src`` narrowed by these ``(feature dim, start, length)`` steps
     narrows: list = dataclasses.field(default_factory=list)
     feat: list = None     # feature sizes of the narrowed source
+    flat: bool = False    # its features are read flattened to one dim (q and k spell them differently)
 
 
 def feature_slice(n):

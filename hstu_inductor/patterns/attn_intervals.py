@@ -98,12 +98,6 @@ def binding_pairs(iv: Intervals | None, Lp: int) -> list:
     return [(meta_val(iv.node).shape[iv.row_dim], Lp)]
 
 
-def cut_sizes(plan) -> dict:
-    """For ``generalize``: the interval tensor's row dim is the jagged row count."""
-    iv = plan.intervals
-    return {} if iv is None else {iv.node: {iv.row_dim: ("L", 1)}}
-
-
 def bind(iv: Intervals | None, env: dict, binding: dict, gen, Np: int) -> None:
     """Fresh random triples in ``[-1, N + 2]`` (ordered or not), in the interval tensor's layout."""
     if iv is None:

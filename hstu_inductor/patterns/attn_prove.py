@@ -1,6 +1,12 @@
-"""Attention, stage 3 (prove): what the structurally checked pieces compute, on random probes.
+"""Attention, stage 3 (prove): the decision by meaning (``attn_meaning``), cross-checked on random probes.
 
-The user's own nodes are run eagerly (``prover.evaluate``: float64, CPU, sizes bound to each probe)
+:func:`prove` reads the candidate's structure (``attn_structure``) and proves what it computes with
+``attn_meaning`` (any size; :func:`prove_candidate`). Where they are cheap, the probes below run too
+and must agree: a disagreement declines the candidate and logs a warning (a prover bug). With
+``config.prover == "probes"`` the probes alone decide (for comparison; they decline candidates too
+large to probe).
+
+The probes: the user's own nodes are run eagerly (``prover.evaluate``: float64, CPU, sizes bound to each probe)
 on random jagged probes (lengths in ``[0, N]`` including 0, 1 and N; random ``num_targets``):
 
 * each pad subgraph must equal ``reference.jagged_to_padded`` with zero padding;
@@ -11,8 +17,7 @@ on random jagged probes (lengths in ``[0, N]`` including 0, 1 and N; random ``nu
   must be ``c * s_row ** power`` (``attn_rowscale.check_row_scale``).
 
 With a symbolic ``N`` the probes span several N (:func:`probe_ns`) and the scale must be a constant
-or proportional to ``1/N`` (:func:`n_law`). Static sizes too large to probe raise
-``generalize.TooLarge``: the candidate is then proven on a generalised copy of the graph.
+or proportional to ``1/N`` (:func:`n_law`). Sizes too large to probe raise ``TooLarge``.
 """
 from __future__ import annotations
 
@@ -22,19 +27,18 @@ import itertools
 import math
 import random
 
-import sympy
 import torch
 
 from . import attn_bias, attn_intervals, attn_tables
 from . import attn_layout as lay
 from .attn_find import (
-    PadMismatch, find_operand, jagged_descriptor, looks_like_lengths, meta_val, retry_sources, source_candidates,
+    PadMismatch, find_operand, jagged_descriptor, looks_like_lengths, meta_val, retry_sources,
 )
+from .attn_meaning import n_law
 from .attn_rowscale import check_row_scale
 from .attn_structure import Plan, Subgraphs, structure
-from .generalize import CONST_PREFIX, TooLarge
 from .prover import (
-    Decline, close, closure, concrete, evaluate, hints, make_probes, make_targets, mask_candidates, probe_values,
+    Decline, TooLarge, close, closure, concrete, evaluate, hints, make_probes, make_targets, mask_candidates, probe_values,
     reference_mask, reference_pad, scalar_constants, scalar_scale, silu, solve_binding, sym_expr, valid_at,
 )
 
@@ -141,8 +145,8 @@ def descriptor_probe(plan, off, lens):
 # The proof
 
 
-_MAX_PROBE_ELEMS = 2e7   # per probe, summed over the evaluated nodes (float64: <= 160 MB); above it
-#                          the candidate is proven on a generalised copy of the graph (generalize.py)
+_MAX_PROBE_ELEMS = 2e7   # per probe, summed over the evaluated nodes (float64: <= 160 MB); above it the
+#                          probes do not run (the value-level proof does not need them)
 _PROBES = 10
 _SYM_PROBES_PER_N = 5  # symbolic N: per probe value of N (edge lengths 0, 1, N-1, N and one random)
 
@@ -158,7 +162,7 @@ def prove(gm, S, pv) -> Plan:
         plan, sub = structure(S, pv, lengths, sources, intervals)
         try:
             with past_pads(plan):
-                numeric_proof(gm, plan, sub)
+                prove_candidate(gm, plan, sub)
         except Decline as e:
             # the interval candidate is chosen by shape: an HSTU mask may read some other [L, 3]
             # integer tensor; prove it again with that tensor left in the chain
@@ -176,6 +180,71 @@ def prove(gm, S, pv) -> Plan:
         except (Decline, lay.LayoutError) as e:
             reason = reason or e
     raise reason
+
+
+def prove_candidate(gm, plan: Plan, sub: Subgraphs) -> None:
+    """The decision: by meaning (``attn_meaning``, any size), cross-checked by the probes where they are
+    cheap (a disagreement is a prover bug: logged, and the candidate declined); ``config.prover ==
+    "probes"``: the probes alone."""
+    from .. import config
+    from . import attn_meaning
+
+    if config.prover == "probes":
+        return numeric_proof(gm, plan, sub)
+    out = plan.out
+    attn_meaning.prove(gm, plan, sub)
+    _cross_check(gm, plan, sub, out)
+
+
+_CHECKED = ("alpha", "params", "scale", "scale_node", "scale_factor", "scale_per_n", "out")
+
+
+def _cross_check(gm, plan, sub, out) -> None:
+    """Run the probes on a proven candidate when they are cheap; keep the proof's constants, take the
+    probes' table-bias analysis (path b is still proven on probes). ``out``: the output before the
+    proof moved it past row scales."""
+    import logging
+
+    proven = {k: getattr(plan, k) for k in _CHECKED}
+    plan.out = out
+    rab = (plan.rab.ratio, plan.rab.coeff, plan.rab.tables, plan.rab.table_reasons) if plan.rab is not None else None
+    if plan.rab is not None:
+        plan.rab.ratio = None
+    try:
+        numeric_proof(gm, plan, sub)
+    except TooLarge:
+        numeric = None
+    except Decline as e:
+        logging.getLogger("hstu_inductor").warning(
+            "hstu_inductor: the value-level proof accepted %s but the probes decline it (%s); declined",
+            plan.pv.name, e)
+        raise Decline(f"value-level proof and probes disagree: {e}") from None
+    else:
+        numeric = {k: getattr(plan, k) for k in _CHECKED}
+    for k, v in proven.items():
+        setattr(plan, k, v)
+    if plan.rab is not None:  # the tables are the value-level proof's (the probes would redo them)
+        plan.rab.ratio, plan.rab.coeff, plan.rab.tables, plan.rab.table_reasons = rab
+    if numeric is not None and not _same(proven, numeric):
+        logging.getLogger("hstu_inductor").warning(
+            "hstu_inductor: value-level proof and probes give different constants for %s: %s vs %s",
+            plan.pv.name, proven, numeric)
+        raise Decline(f"value-level proof and probes give different constants ({proven} vs {numeric})")
+
+
+def _same(a: dict, b: dict) -> bool:
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, float) and isinstance(y, float):
+            if not math.isclose(x, y, rel_tol=1e-6):
+                return False
+        elif isinstance(x, tuple) and isinstance(y, tuple):
+            if tuple(int(v) if not isinstance(v, bool) else v for v in x) != \
+                    tuple(int(v) if not isinstance(v, bool) else v for v in y):
+                return False
+        elif x != y and not (x is None and y is None):
+            return False
+    return True
 
 
 def numeric_proof(gm, plan: Plan, sub: Subgraphs) -> None:
@@ -222,11 +291,9 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     sym_n = not isinstance(N, int)
     Bs, Ls = int(B) if B_static else None, int(Lq) if L_static else None
     floats, ints = scalar_constants(s_order)
-    ksyms = mask_constant_symbols(gm)
     if sym_n:
         side_floats, side_ints = scalar_constants([n for order in sides.values() for n in order])
-        kmax = {_const_value(len(ksyms) - 1, 2) + 2} if ksyms else set()
-        Ns = probe_ns(plan, base, floats | side_floats, ints | side_ints | kmax, Bs, Ls)
+        Ns = probe_ns(plan, base, floats | side_floats, ints | side_ints, Bs, Ls)
         probes = []
         for idx, Nv in enumerate(Ns):
             sets = make_probes(Nv, Bs, Ls, _SYM_PROBES_PER_N, seed=1234 + idx)
@@ -240,7 +307,6 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     alphas = sorted({1.0} | {c for c in floats if c != 0} | {1.0 / c for c in floats if c != 0})
     # absolute values: a window spelled ``ones.tril().triu(-w)`` carries it as the diagonal -w
     mask_ints = {abs(i) for i in ints if 0 < abs(i) <= max(Nv for Nv, _ in probes) + 1}
-    mask_ints |= {_const_value(i, 0) + d for i in range(len(ksyms)) for d in range(3)}  # values at probe 0
     chosen = None
     consts = []  # symbolic N: (N, fitted score constant, binding) per probe
     tables, tgen = None, torch.Generator().manual_seed(777)  # bias terms on their way to path (b)
@@ -258,35 +324,15 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                 raise Decline(f"symbolic N={N} shares a symbol with the sizes of the jagged inputs "
                               f"(the probes cannot vary N alone)")
             pairs.append((N, Np))
-        pairs += [(k, _const_value(i, p)) for i, k in enumerate(ksyms)]
         pairs += attn_intervals.binding_pairs(plan.intervals, Lp)
         binding = solve_binding(pairs, base)
         off = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=meta_val(plan.offsets).dtype)
         lens = torch.tensor(lengths, dtype=torch.int64)
         env0, targets = probe_inputs(plan, descriptor_probe(plan, off, lens), sym_leaves, binding, lengths, rng, p)
         cost = probe_cost([*s_order, *u_order, *(n for _, order in pads for n in order)], binding)
-        if cost > _MAX_PROBE_ELEMS and ksyms:  # already generalised
-            raise Decline(f"too large to prove numerically at N={Np} ({cost:.2g} elements per probe; "
-                          f"symbolic N is probed above every integer constant of the score subgraph)")
-        if cost > _MAX_PROBE_ELEMS:  # proven on small instances of the same graph instead (generalize.py)
-            # the generalised copy starts at the furthest source candidate of each pad, so that
-            # the pad's own source is inside it whichever candidate that turns out to be
-            # (all candidates have the source's rows, so ``L`` is the same for them)
-            leaves = {source_candidates(x.D)[-1] for x in (q, k, v)}
+        if cost > _MAX_PROBE_ELEMS:
             what = f"at N={Np} (a constant of the score subgraph)" if sym_n else "at these static sizes"
-            err = TooLarge(f"too large to prove numerically {what} ({cost:.2g} elements per probe)",
-                           plan=plan, last=list(post)[-1] if post else plan.out, B=Bs, N=N if isinstance(N, int) else None,
-                           L=Ls, descriptor=plan.offsets.name if plan.offsets.op == "placeholder" else None,
-                           lengths=plan.lengths, leaves=leaves)
-            # a bias / interval tensor stays an input of the generalised copy (probed, never generalised),
-            # except, on a first attempt, a bias term that looks like the table bias: its producers are
-            # generalised with the rest so that the table proof (attn_tables) runs on the small copy
-            # (attention.py retries with it cut when that copy does not generalise or prove)
-            cut = attn_bias.cut_sizes(plan)
-            tabled = {tc.term.node for tc in attn_tables.analyse(plan) if tc.reason is None}
-            err.table_cut = {n: d for n, d in cut.items() if n in tabled}
-            err.sizes.cut = {**{n: d for n, d in cut.items() if n not in tabled}, **attn_intervals.cut_sizes(plan)}
-            raise err
+            raise TooLarge(f"too large to prove numerically {what} ({cost:.2g} elements per probe)")
 
         # pads
         check_pads(gm, pads, env0, binding, off, Np, gen)
@@ -333,7 +379,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         if chosen is None:  # every parameter set that fits probe 0; the later probes tell them apart
             alpha, c0, fits = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
                                    plan.num_targets is not None)
-            chosen = alpha, c0, [(i, r) for i, f in enumerate(fits) for r in constant_params(f, ksyms, binding)]
+            chosen = alpha, c0, list(enumerate(fits))
         alpha, c0, fits = chosen
         if sym_n:  # the constant may scale with N (1/N): fitted per probe, its N-law checked below
             try:
@@ -343,7 +389,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                               f"N={probes[0][0]} (alpha depends on N?)") from None
             consts.append((Np, c0, binding))
         def holds(reading):
-            params = tuple(concrete(x, binding) if isinstance(x, sympy.Expr) else x for x in reading[1])
+            params = reading[1]
             mref = iv_mask if iv_mask is not None else \
                 reference_mask(lens, Np, targets, params)[bb, ii, jj].expand(X.shape)
             expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
@@ -385,9 +431,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
 
     alpha, c0, fits = chosen
     attn_tables.finish(tables or [], plan)
-    # the first fitted set, in its most symbolic reading that survived (a parameter the probes
-    # cannot pin down keeps the constant's symbol, as when readings were symbolic only)
-    params = next(r for i, r in fits if i == fits[0][0])
+    params = fits[0][1]
     plan.alpha = float(alpha * q.factor * k.factor)
     if plan.rab is not None:
         plan.rab.coeff = float(plan.rab.ratio * alpha)  # the op adds rab to alpha * qk: b * R
@@ -412,34 +456,6 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
         plan.scale_node, plan.scale_factor = scale_leaf, float(factor)
 
 
-def mask_constant_symbols(gm) -> list:
-    """The symbols of the mask constants a generalised graph takes as inputs (``generalize``)."""
-    return [sym_expr(meta_val(n)) for n in gm.graph.find_nodes(op="placeholder")
-            if str(n.target).startswith(CONST_PREFIX) and isinstance(meta_val(n), torch.SymInt)]
-
-
-_CONST_SPAN = range(-1, 4)  # a constant symbol k stands for the literals k .. k + 2 (generalize._clusters):
-#                            a fitted mask parameter k - 1 .. k + 3 names it
-
-
-def _const_value(i, p) -> int:
-    """The probe value of mask constant ``i`` at probe ``p``: distinct constants stay 8 apart, so a
-    fitted ``k - 1 .. k + 3`` names one constant, and each takes three values across the probes."""
-    return 3 + 8 * i + p % 3
-
-
-def constant_params(params, ksyms, binding) -> list:
-    """Readings of the fitted mask parameters: each one either the literal it was fitted as, or a mask
-    constant's symbol plus an offset in ``_CONST_SPAN`` where its value allows that (a contextual
-    prefix of 2 kept literal next to a window symbol at 3 fits both ways at probe 0). Every reading
-    is checked at the other probes, where the constants take other values; the symbolic ones first."""
-    options = [[params[0]]]
-    for x in params[1:]:
-        opts = [k + (x - concrete(k, binding)) for k in ksyms if x > 0 and x - concrete(k, binding) in _CONST_SPAN]
-        options.append(opts + [x])
-    return [tuple(r) for r in itertools.product(*options)]
-
-
 def probe_ns(plan, base, floats, ints, B, L) -> list:
     """Probe values of a symbolic ``N``, largest first (the mask and alpha are fitted there): the
     compile-time hint when small; 2 (the smallest N of a dynamic graph: catches a scale or mask
@@ -459,27 +475,6 @@ def probe_ns(plan, base, floats, ints, B, L) -> list:
     while len(ns) < 3:
         ns.add(max(ns) + 3)
     return sorted(ns, reverse=True)
-
-
-def n_law(consts, rest) -> tuple:
-    """``(k, per_n)``: the total scale (score constant per probe times ``rest``, the value/output
-    factors, which may hold N) is the constant ``k`` at every probe N, or ``k / N`` at every one.
-    Probes span at least two N values, so the two laws cannot both hold."""
-    totals = []
-    for Nv, c, binding in consts:
-        r = sympy.sympify(rest).subs(binding)
-        if not r.is_number:
-            raise Decline(f"output scale {rest} depends on sizes other than N")
-        totals.append((Nv, c * float(r)))
-    if len({Nv for Nv, _ in totals}) < 2:
-        raise Decline("symbolic N was probed at a single value")
-    N0, t0 = totals[0]
-    if all(math.isclose(t, t0, rel_tol=1e-9) for _, t in totals):
-        return float(t0), False
-    if all(math.isclose(t * Nv, t0 * N0, rel_tol=1e-9) for Nv, t in totals):
-        return float(t0 * N0), True
-    raise Decline("attention scale is neither a constant nor proportional to 1/N across probe values of N "
-                  f"({', '.join(f'N={Nv}: {t:.6g}' for Nv, t in totals[::max(1, len(totals) // 4)])})")
 
 
 def sample_in_sequence(X, in_seq, *coords, limit=200000):

@@ -26,7 +26,7 @@ from . import attn_layout as lay
 from .attn_find import (
     BMM, SOFTMAX, Operand, feature_slice, find_operand, is_float, jagged_descriptor, meta_val, op_name, size_hint,
 )
-from . import attn_bias, attn_intervals
+from . import attn_bias, attn_intervals, constants
 from .attn_rowscale import after_unpad, output_chain, unify_scales, unify_side
 from .prover import Decline, closure, is_static, sym_expr
 from .sizes import SIZE_READS, size_source
@@ -61,8 +61,7 @@ class Plan:
     scale: Optional[float] = None           # constant scale (None: 1/N)
     scale_node: Optional[torch.fx.Node] = None  # attn_scale input (times scale_factor)
     scale_factor: float = 1.0
-    params: tuple = (True, 0, 0, 0)      # (causal, max_attn_len, contextual, min_full): ints, or sympy
-    #                                     expressions of the mask constants' symbols (generalize.py)
+    params: tuple = (True, 0, 0, 0)      # (causal, max_attn_len, contextual, min_full)
     constants: dict = dataclasses.field(default_factory=dict)  # mask constant symbol -> real value
     pads_proven: bool = False    # the numeric proof got past the pads (attn_prove.past_pads)
     head_modes: list = None      # q-feature modes forming the head index (S batch order)
@@ -255,6 +254,10 @@ def analyse(S, pv, lengths=False, sources=None) -> Plan:
     v = find_operand(pv.args[1], "v", sources)
     fq, axq = feature_axes(q.src, "q")
     fk, _ = feature_axes(k.src, "q")
+    if fq != fk and math.prod(fq) == math.prod(fk):
+        # the same features spelled with other dims ([L, H*D] and [L, H, D]): read both flat (a view)
+        fq, axq, fk = [math.prod(fq)], ["q0"], [math.prod(fk)]
+        q.flat = k.flat = True
     fv, axv = feature_axes(v.src, "v")
     dt = {meta_val(x.src).dtype for x in (q, k, v)}
     if len(dt) != 1:
@@ -390,8 +393,8 @@ def side_inputs(s_leaves, plan, batch: int, rows: int) -> tuple:
         if leaf is plan.S or leaf is plan.offsets:
             continue
         val = meta_val(leaf)
-        if isinstance(val, (torch.SymInt, int)) or leaf.op == "get_attr":
-            continue
+        if isinstance(val, (torch.SymInt, int)) or leaf.op == "get_attr" or constants.value(leaf) is not None:
+            continue  # sizes and constants (module state is read by value: ``constants``)
         if isinstance(val, torch.Tensor) and not val.is_floating_point():
             if val.dim() == 1 and size_hint(val.shape[0]) == batch and nt is None \
                     and leaf.op == "placeholder":
@@ -513,6 +516,7 @@ def structure(S, pv, lengths, sources=None, intervals=True) -> tuple[Plan, Subgr
     if U is not out:
         region.add(U)
     region.discard(out)  # dense mode: the output is Odense itself
+    pads = {x.D for x in (q, k, v)}
     for n in region:
         for u in n.users:
             if u in region or u is out or is_dead(u):
@@ -523,10 +527,24 @@ def structure(S, pv, lengths, sources=None, intervals=True) -> tuple[Plan, Subgr
             if u.target is aten._assert_tensor_metadata.default:  # export's check of a cast: dropped with it
                 plan.metadata_asserts.append(u)
                 continue
+            if n in pads and _head_slice(u):
+                continue  # another head's slice of a shared pad (a loop over heads): dead once each is rewritten
             raise Decline(f"intermediate {n.name} has a user outside the attention ({u.name}); "
                           f"rewriting would keep it alive")
     return plan, Subgraphs(s_order, layouts, S_layout, scale_leaf, Odense, u_order, u_leaves, rest_shape, fo,
                            chain_scale, pre, post)
+
+
+def _head_slice(u) -> bool:
+    """``u`` is a feature slice of a padded tensor, possibly after identity layout ops (another head's
+    operand in a loop over heads)."""
+    for _ in range(4):
+        if feature_slice(u) is not None:
+            return True
+        if not lay.is_layout_node(u) or len(u.users) != 1:
+            return False
+        u = next(iter(u.users))
+    return False
 
 
 def reads_rows(U, rows) -> bool:

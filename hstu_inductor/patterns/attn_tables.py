@@ -49,8 +49,7 @@ from ..reference.jagged import jagged_to_padded
 from ..reference.rab import buckets_from_bounds, time_bucket_bounds
 from . import attn_layout as lay
 from .attn_find import meta_val
-from .generalize import CONST_PREFIX
-from .prover import Decline, attribute, hints, close, closure, concrete, evaluate, probe_values, solve_binding, sym_expr
+from .prover import Decline, attribute, close, closure, concrete, evaluate, probe_values, solve_binding, sym_expr
 
 aten = torch.ops.aten
 
@@ -344,14 +343,10 @@ def _chain_fn(chain, G):
 
 
 def _real_int(x) -> int:
-    """A size the bucket reads, as the constant it is: an int, or in a generalised graph a literal
-    made a symbol (``generalize.CONST_PREFIX``: a clamp to ``num_buckets`` looks like a mask constant),
-    at its real value (its hint). Any other symbolic size: Decline."""
+    """A size the bucket reads, as the constant it is. A symbolic size: Decline."""
     e = sym_expr(meta_val(x))
     if e.is_Integer:
         return int(e)
-    if x.op == "placeholder" and str(x.target).startswith(CONST_PREFIX):
-        return int(hints(meta_val(x))[e])
     raise Decline(f"time bucket reads the symbolic size {x.name}")
 
 
@@ -444,9 +439,7 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
     tshape = {T: [concrete(s, binding) for s in meta_val(T).shape] for T in tabs}
     for x in tc.sizes:  # size reads of the timestamps / tables: their own symbols, bound just above
         try:
-            # a generalised literal in the term (its bucket's clamp) keeps its real value: the
-            # thresholds are computed with it
-            env[x] = _real_int(x) if str(x.target).startswith(CONST_PREFIX) else concrete(meta_val(x), binding)
+            env[x] = concrete(meta_val(x), binding)
         except Decline:
             pass
     if tc.stamps is not None:
@@ -561,7 +554,7 @@ def emit_tables(call, gm, plan, N_arg) -> list:
         if meta_val(stamps).dtype != tabs.ts_dtype:
             stamps = call(aten._to_copy.default, [stamps], {"dtype": tabs.ts_dtype})
         # get_attr + lift_fresh_copy: how a graph holds a tensor constant (fake modes lift it, so a
-        # re-trace of the graph under one, as generalize._specialise does, takes it too)
+        # re-trace of the graph under one takes it too)
         bounds = call(aten.lift_fresh_copy.default,
                       [_constant(gm, tabs.bounds, meta_val(stamps).device, meta_val(stamps))])
     return [stamps, pos_w, ts_w, bounds]

@@ -15,7 +15,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import _compat, config
-from ..report import RewriteReport, publish
+from ..report import RewriteReport, publish, stage
+from . import constants
 from .blocks import fuse_u_silu
 from .canonicalize import canonicalize, grad_losing_njt
 from .float_inputs import specialise_float_inputs
@@ -120,7 +121,7 @@ def run_rewriters(gm: torch.fx.GraphModule) -> RewriteReport:
     return report
 
 
-def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+def rewrite_dynamo_graph(gm: torch.fx.GraphModule, module_state: dict | None = None) -> torch.fx.GraphModule | None:
     """Canonicalise a Dynamo (torch-level) graph to ATen and rewrite it.
 
     Before the retrace, ``canonicalize`` replaces nested-tensor pads by plain jagged gathers
@@ -128,7 +129,14 @@ def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
     not retraced, since the retrace would detach its values.
 
     Returns the rewritten ATen graph, or None when nothing was rewritten (the caller then
-    compiles the original graph unchanged, exactly like stock Inductor).
+    compiles the original graph unchanged, exactly like stock Inductor). An exception of the
+    canonicalisation, the retrace or a rewriter is raised as ``report.StageFailed`` naming the
+    stage (the backend then compiles the original graph: ``backend._fall_back``); under
+    ``config.strict`` it is raised as it is.
+
+    ``module_state``: placeholder position -> value of the inputs that are module buffers or frozen
+    parameters (``constants.module_state``); a rewrite may read them by value. The positions it read
+    are ``meta["hstu_constants"]`` of the result, for the caller to guard.
     """
     stateful = [n for n in gm.graph.nodes if n.op == "call_function"
                 and getattr(n.target, "__name__", "") in _STATEFUL_TARGETS]
@@ -143,13 +151,8 @@ def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
         publish(RewriteReport(graphs=1))
         return None
     # Exact torch-level rewrites (nested-tensor pads) on a copy: `gm` stays what stock Inductor gets.
-    try:
+    with stage("canonicalise"):
         canon = canonicalize(gm)
-    except Exception:  # optional: without it the graph is retraced as the user wrote it
-        if config.strict:
-            raise
-        log.exception("hstu_inductor: canonicalisation failed; retracing the graph as is")
-        canon = gm
     lost = grad_losing_njt(canon)
     if lost is not None:
         report = RewriteReport(graphs=1)
@@ -157,25 +160,13 @@ def rewrite_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
                                             "would detach its values; not retraced"))
         publish(report)
         return None
-    try:
+    with stage("ATen retrace"):
         with fake_mode:
             aten_gm = _compat.trace_aten(canon, _compat.placeholder_values(canon))
+            if _compat.mutates(aten_gm):  # in-place ops: read as data flow (functionalised)
+                aten_gm = _compat.trace_aten_functional(canon, _compat.placeholder_values(canon))
         specialise_float_inputs(canon, aten_gm)  # dynamic=True: floats read with .item() (float_inputs.py)
-    except Exception as e:  # a graph we cannot retrace is still compiled by stock Inductor
-        if config.strict:
-            raise
-        log.warning("hstu_inductor: could not retrace graph to ATen (%s: %s); compiling it unchanged",
-                    type(e).__name__, e)
-        report = RewriteReport(graphs=1)
-        report.near_misses.append(("graph", f"retrace to ATen failed: {type(e).__name__}: {e}"))
-        publish(report)
-        return None
-    try:
-        with fake_mode:
-            report = run_rewriters(aten_gm)
-    except Exception:
-        if config.strict:
-            raise
-        log.exception("hstu_inductor: a rewriter failed; compiling the graph unchanged")
-        return None
+    with stage("rewriters"), fake_mode, constants.known(module_state):
+        report = run_rewriters(aten_gm)
+        aten_gm.meta["hstu_constants"] = sorted(constants.used())
     return aten_gm if any(report.counts.values()) else None

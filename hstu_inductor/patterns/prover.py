@@ -26,6 +26,7 @@ import sympy
 import torch
 
 from .. import _compat
+from . import constants
 from ..reference import hstu_mask, jagged_to_padded
 
 aten = torch.ops.aten
@@ -33,6 +34,11 @@ aten = torch.ops.aten
 
 class Decline(Exception):
     """A candidate is not (provably) HSTU attention; the message is the near-miss reason."""
+
+
+class TooLarge(Decline):
+    """The numeric probes would be too large at these sizes (they only cross-check the value-level
+    proof, which does not depend on the sizes)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,8 +103,8 @@ def evaluate(gm: torch.fx.GraphModule, order: list, env: dict, native: bool = Fa
     def load(a):
         if isinstance(a, torch.fx.Node):
             if a not in env:
-                if a.op == "get_attr":
-                    obj = attribute(gm, a.target)
+                if a.op == "get_attr" or (a.op == "placeholder" and constants.value(a) is not None):
+                    obj = attribute(gm, a.target) if a.op == "get_attr" else constants.value(a)
                     env[a] = obj.detach().to("cpu").to(torch.float64) if obj.is_floating_point() and not native \
                         else obj.detach().cpu()
                 else:

@@ -385,8 +385,8 @@ def test_subtracted_bias_dense_path(fresh_dynamo):
 
 def test_original_production_size_fake():
     """B=128, N=4096 static under fake tensors (nothing allocated): the original spelling (pad-and-repeat
-    positions, fp32-log buckets of int64 timestamps, 128 buckets) is proven on the generalised copy
-    and goes to the tables; the thresholds are the fp32 ones."""
+    positions, fp32-log buckets of int64 timestamps, 128 buckets) is proven at the real sizes and
+    goes to the tables; the thresholds are the fp32 ones."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from _rewrite import rewrite_exported
 

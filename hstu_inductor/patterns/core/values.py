@@ -1,0 +1,78 @@
+"""Element values: booleans and numbers as sympy expressions, and the one error of the core."""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from ..prover import Decline
+
+
+class Unsupported(Decline):
+    """No value rule for an op (or for this use of it): the proof cannot say what it computes."""
+
+
+def meta_val(n):
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+
+
+def is_bool(e) -> bool:
+    """A boolean value (sympy's Symbol is both an Expr and a Boolean: our symbols are integers)."""
+    return isinstance(e, sympy.logic.boolalg.Boolean) and not isinstance(e, sympy.Expr)
+
+
+def num(e):
+    """``e`` as a number (a boolean is 1 or 0)."""
+    if is_bool(e):
+        if e is sympy.true:
+            return sympy.Integer(1)
+        if e is sympy.false:
+            return sympy.Integer(0)
+        return sympy.Piecewise((1, e), (0, True))
+    return e
+
+
+def indicator(e):
+    """The condition ``c`` when ``e`` is a boolean or ``c ? 1 : 0`` (in any number type), else None."""
+    if is_bool(e):
+        return e
+    if isinstance(e, sympy.Piecewise) and len(e.args) == 2 and e.args[1][1] is sympy.true:
+        (one, c), (zero, _) = e.args
+        if one.is_number and zero.is_number and float(one) == 1 and float(zero) == 0:
+            return c
+    return None
+
+
+def boolean(e):
+    """``e`` as a boolean (a number is ``e != 0``)."""
+    return e if is_bool(e) else sympy.Ne(e, 0)
+
+
+def select(c, a, b):
+    """``where(c, a, b)`` for booleans or numbers."""
+    c = boolean(c)
+    if c is sympy.true:
+        return a
+    if c is sympy.false:
+        return b
+    if is_bool(a) and is_bool(b):
+        return sympy.ITE(c, a, b)
+    return sympy.Piecewise((num(a), c), (num(b), True))
+
+
+
+
+def size_expr(s):
+    """A size as a sympy expression, with the shape environment's replacements applied (two symbols
+    Dynamo proved equal, an unbacked size tied to a backed one, read as one)."""
+    if isinstance(s, torch.SymInt):
+        e = s.node.expr
+        env = getattr(s.node, "shape_env", None)
+        if env is not None:
+            try:
+                e = env.replace(e)
+            except Exception:  # replacements are an optimisation of the reading, never required
+                pass
+        return sympy.sympify(e)
+    if isinstance(s, sympy.Basic):
+        return s
+    return sympy.Integer(int(s))
