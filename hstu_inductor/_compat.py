@@ -43,7 +43,30 @@ def trace_aten_functional(fn, args) -> torch.fx.GraphModule:
     """:func:`trace_aten` with in-place ops replaced by their out-of-place twins (``torch.func.functionalize``,
     views kept): a tensor read after an in-place op on it (``s.masked_fill_(m, 0)`` whose result is
     discarded) is then a read of that op's result, so the rewriters see data flow as it is."""
-    return trace_aten(torch.func.functionalize(fn, remove="mutations"), args)
+    gm = trace_aten(torch.func.functionalize(fn, remove="mutations"), args)
+    _differentiable_copies(gm)
+    return gm
+
+
+def _differentiable_copies(gm: torch.fx.GraphModule) -> None:
+    """``aten.copy(dst, src)`` (what a write into a view becomes) has no derivative formula: spelled as
+    ``src`` broadcast to ``dst``'s shape and cast to its dtype (its value: ``dst``'s values are not read)."""
+    aten = torch.ops.aten
+    for n in list(gm.graph.find_nodes(op="call_function", target=aten.copy.default)):
+        dst, src = n.args[:2]
+        dval = dst.meta.get("val")
+        if dval is None:
+            continue
+        with gm.graph.inserting_before(n):
+            x = gm.graph.call_function(aten.expand.default, (src, list(dval.shape)))
+            x = gm.graph.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+            if src.meta.get("val") is not None and src.meta["val"].dtype != dval.dtype:
+                x = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": dval.dtype})
+        x.meta["val"] = n.meta.get("val")
+        n.replace_all_uses_with(x)
+        gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def mutates(gm: torch.fx.GraphModule) -> bool:

@@ -34,7 +34,7 @@ import time
 import torch
 
 from .. import config
-from . import attn_delta, buffers, constants
+from . import attn_delta, attn_packed, buffers, constants
 from . import attn_layout as lay
 from .attn_emit import describe, rewrite
 from .attn_find import BMM, find_score_product, is_square
@@ -43,6 +43,20 @@ from .prover import Decline
 from .registry import register
 
 log = logging.getLogger("hstu_inductor")
+
+
+def _prove_full(gm, S, node):
+    """Padded sequences first; scores over the jagged rows themselves (packed rows) when the operands
+    are read from them. The reason reported is the padded reading's unless the packed one applies."""
+    try:
+        return prove(gm, S, node)
+    except (Decline, lay.LayoutError) as padded:
+        if not attn_packed.is_candidate(S):
+            raise
+        try:
+            return attn_packed.prove_packed(gm, S, node)
+        except (Decline, lay.LayoutError) as packed:
+            raise Decline(f"{padded}; read as packed rows: {packed}") from None
 
 
 @register("attention")
@@ -65,7 +79,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, report) -> None:
         start = time.perf_counter()
         read = constants.used()
         try:
-            plan = attn_delta.prove_delta(gm, S, node) if delta else prove(gm, S, node)
+            plan = attn_delta.prove_delta(gm, S, node) if delta else _prove_full(gm, S, node)
         except (Decline, lay.LayoutError) as e:
             constants.restore(read)  # a declined candidate guards nothing
             report.near_misses.append(("attention", f"{node.name}: {e}"))

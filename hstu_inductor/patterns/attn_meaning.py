@@ -23,6 +23,7 @@ values of it (the scale must be a constant or ``k / N``: ``attn_prove.n_law``).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
@@ -42,6 +43,8 @@ from .prover import Decline, hints, mask_candidates, silu, sym_expr, valid_at
 aten = torch.ops.aten
 
 _SAMPLES = 64          # float samples per case combination
+_ELEMENTWISE = {aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
+                aten.masked_fill.Scalar, aten.masked_fill.Tensor}
 _MAX_COMBOS = 256      # case combinations of the score chain's inputs
 
 
@@ -155,6 +158,10 @@ class Chain:
                 continue
             h = dom.coord("h", size)
             self.axes[axis] = self.axes.get(axis, sympy.Integer(0)) + h * stride
+        self._leaves(plan, sub)
+
+    def _leaves(self, plan, sub) -> None:
+        """The interpreter, with the candidate's inputs as leaves (offsets, num_targets, scale, bias, intervals)."""
         leaves = {plan.offsets: _offsets_leaf(plan)}
         if plan.num_targets is not None:
             leaves[plan.num_targets] = lambda idx: tgt(idx[0])
@@ -176,7 +183,7 @@ class Chain:
         if plan.intervals is not None:
             self.iv_fn = _leaf_fn("iv", integer=True)
             leaves[plan.intervals.node] = lambda idx: self.iv_fn(*idx)
-        self.E = Elements(dom, leaves)
+        self.E = Elements(self.dom, leaves)
         self.E._versions(plan.S.graph)
 
     def position(self, layout) -> tuple:
@@ -203,6 +210,13 @@ class Chain:
     def in_seq(self):
         n = self.dom.length(self.b)
         return [sympy.Lt(self.i, n), sympy.Lt(self.j, n)]
+
+    def valid(self, params):
+        """HSTU's mask at the score position, for mask parameters ``params``."""
+        n, t = _mask_symbols(self)
+        return hstu_valid(self.i, self.j, n, t, params)
+
+    sampled = True  # the mask's parameters are filtered on random (i, j, n, t) first
 
 
 def _chain_inputs(ch: Chain):
@@ -334,6 +348,11 @@ def _evaluate(ch: Chain, data, combo: dict, binding: dict, sample: _Sample):
             vals[n] = x.to(torch.float64) if dt.is_floating_point else x.to(dt)
             continue
 
+        if torch.Tag.pointwise not in getattr(t, "tags", ()) and t not in _ELEMENTWISE:
+            # one sample per position: an op that moves or mixes elements (roll, cumsum, sort) has no
+            # meaning on it, and the layout algebra has not placed its output
+            raise Unsupported(f"score chain op {n.name} ({getattr(t, '__name__', t)}) is not elementwise")
+
         def conv(a):
             if isinstance(a, torch.fx.Node):
                 if a in vals:
@@ -423,10 +442,11 @@ def _fit_beta(g, sample, srow, alpha, c, beta_cands):
     return None
 
 
-def prove_chain(gm, plan, sub):
+def prove_chain(gm, plan, sub, ch=None):
     """The score chain, by cases: fills ``alpha``, the mask parameters, the rab ratio, and returns
-    ``(c per N binding, scale_used)`` for the caller's scale bookkeeping."""
-    ch = Chain(plan, sub)
+    ``(c per N binding, scale_used)`` for the caller's scale bookkeeping. ``ch``: the score positions'
+    coordinates (default: padded sequences, :class:`Chain`)."""
+    ch = Chain(plan, sub) if ch is None else ch
     ch.sderived = set(sub.layouts)
     data, inputs = _chain_inputs(ch)
     keys = list(inputs)
@@ -612,19 +632,19 @@ def _fit_mask(ch: Chain, mask, ints, in_seq):
     Nint = int(N) if isinstance(N, int) or sympy.sympify(N).is_Integer else None
     cap = Nint if Nint is not None else max(consts | {64}) + 2
     cands = mask_candidates({c for c in consts if 0 < c <= cap + 1}, cap, t is not None)
-    survivors = _sample_filter(ch, mask, cands, n, t, cap)
+    survivors = _sample_filter(ch, mask, cands, n, t, cap) if ch.sampled else []
     eq = decide.Equivalence(ch.dom, mask, in_seq)
     for params in survivors:
-        if eq.check(hstu_valid(ch.i, ch.j, n, t, params)):
+        if eq.check(ch.valid(params)):
             return params
     # the cheap filter can miss facts of the batch (one sequence: n_b = L; rows read through the
     # offsets): every candidate, each rejected by a counterexample found so far or decided
     for params in cands:
-        if params not in survivors and eq.check(hstu_valid(ch.i, ch.j, n, t, params)):
+        if params not in survivors and eq.check(ch.valid(params)):
             return params
     # no parameter set: say where the first plausible reading differs
     params = survivors[0] if survivors else (True, 0, 0, 0)
-    ok, cex = decide.valid(ch.dom, sympy.Equivalent(mask, hstu_valid(ch.i, ch.j, n, t, params)), in_seq)
+    ok, cex = decide.valid(ch.dom, sympy.Equivalent(mask, ch.valid(params)), in_seq)
     where = f" (e.g. at {_short(cex)})" if isinstance(cex, dict) else ""
     causal_like, _ = decide.valid(ch.dom, sympy.Implies(mask, sympy.Le(ch.j, ch.i)), in_seq)
     what = "matches no HSTU mask" if causal_like else "has entries above the diagonal (not causal)"
@@ -829,12 +849,19 @@ _ = (operator, boolean, interval_valid)
 # The whole proof
 
 
-def prove(gm, plan, sub) -> None:
-    """Prove the candidate by meaning and fill in the plan's constants (alpha, mask parameters,
-    scale); raises Decline (``PadMismatch`` for a pad, so that its next source is tried)."""
+@contextlib.contextmanager
+def _compat_scope():
+    """Real tensors (the float part runs the user's ops on CPU samples), no autograd."""
     from .. import _compat
 
     with _compat.no_fake_mode(), torch.no_grad():
+        yield
+
+
+def prove(gm, plan, sub) -> None:
+    """Prove the candidate by meaning and fill in the plan's constants (alpha, mask parameters,
+    scale); raises Decline (``PadMismatch`` for a pad, so that its next source is tried)."""
+    with _compat_scope():
         _prove(gm, plan, sub)
 
 
@@ -864,15 +891,20 @@ def _prove(gm, plan, sub) -> None:
     if not (isinstance(plan.N, int) or sympy.sympify(plan.N).is_Integer):
         (sym,) = sympy.sympify(plan.N).free_symbols
         law = [(int(sympy.sympify(plan.N).xreplace({sym: b[sym]})), c, b) for b, c, _ in consts]
-        factor, plan.scale_per_n = n_law(law, rest)
-        if scale_leaf is None:
-            plan.scale = None if plan.scale_per_n and abs(factor - 1.0) <= 1e-9 else factor
-            plan.scale_per_n = plan.scale_per_n and plan.scale is not None
-        else:
-            plan.scale_node, plan.scale_factor = scale_leaf, factor
-        return
-    factor = consts[0][1] * float(sympy.sympify(rest))
-    if scale_leaf is None:
+        assign_scale(plan, scale_leaf, *n_law(law, rest))
+    else:
+        assign_scale(plan, scale_leaf, consts[0][1] * float(sympy.sympify(rest)), None)
+
+
+def assign_scale(plan, scale_leaf, factor, per_n) -> None:
+    """The op's scale from the proven total ``factor``: times the scale input when there is one, else a
+    constant, or None for the op's default ``1/N``. ``per_n``: symbolic N (None: static), whether the
+    factor is per ``1/N`` (``n_law``)."""
+    if scale_leaf is not None:
+        plan.scale_node, plan.scale_factor = scale_leaf, float(factor)
+        plan.scale_per_n = bool(per_n)
+    elif per_n is None:
         plan.scale = None if abs(factor * int(plan.N) - 1.0) <= 1e-9 else float(factor)
     else:
-        plan.scale_node, plan.scale_factor = scale_leaf, float(factor)
+        plan.scale = None if per_n and abs(factor - 1.0) <= 1e-9 else factor
+        plan.scale_per_n = per_n and plan.scale is not None

@@ -34,7 +34,7 @@ from . import attn_layout as lay
 from .attn_find import (
     PadMismatch, find_operand, jagged_descriptor, looks_like_lengths, meta_val, retry_sources,
 )
-from .attn_meaning import n_law
+from .attn_meaning import assign_scale, n_law
 from .attn_rowscale import check_row_scale
 from .attn_structure import Plan, Subgraphs, structure
 from .prover import (
@@ -442,18 +442,9 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     if not chain_scale and not any(m.power for m in kept):
         scale_leaf = None
     if sym_n:
-        factor, plan.scale_per_n = n_law(consts, v.factor * fo * math.prod(m.c for m in kept))
-        if scale_leaf is None:
-            plan.scale = None if plan.scale_per_n and abs(factor - 1.0) <= 1e-9 else factor
-            plan.scale_per_n = plan.scale_per_n and plan.scale is not None
-        else:
-            plan.scale_node, plan.scale_factor = scale_leaf, factor
-        return
-    factor = c0 * v.factor * fo * math.prod(m.c for m in kept)
-    if scale_leaf is None:
-        plan.scale = None if abs(factor * N - 1.0) <= 1e-9 else float(factor)
+        assign_scale(plan, scale_leaf, *n_law(consts, v.factor * fo * math.prod(m.c for m in kept)))
     else:
-        plan.scale_node, plan.scale_factor = scale_leaf, float(factor)
+        assign_scale(plan, scale_leaf, c0 * v.factor * fo * math.prod(m.c for m in kept), None)
 
 
 def probe_ns(plan, base, floats, ints, B, L) -> list:

@@ -145,10 +145,14 @@ def through_layout(ops, layout):
     return layout
 
 
-def operand_layout(x: Operand, B, N, sizes, axes):
+def operand_layout(x: Operand, B, N, sizes, axes, packed=False):
     """Layout of ``x.node`` (sets ``x.layout``, ``x.narrows``, ``x.feat``): the pad ``D`` is
-    ``[B, N, *sizes]`` viewed as ``D.shape``; feature slices narrow the logical source."""
-    layout = lay.view(lay.source_layout([B, N, *sizes], ["b", "n", *axes]), meta_val(x.D).shape)
+    ``[B, N, *sizes]`` viewed as ``D.shape`` (``packed``: ``D`` is the jagged source itself, ``[L, *sizes]``
+    with rows on axis ``r``, and ``N`` is ``L``); feature slices narrow the logical source."""
+    if packed:
+        layout = lay.source_layout([N, *sizes], ["r", *axes])
+    else:
+        layout = lay.view(lay.source_layout([B, N, *sizes], ["b", "n", *axes]), meta_val(x.D).shape)
     feat = list(sizes)
     for op in x.ops:
         sl = feature_slice(op)

@@ -27,7 +27,8 @@ aten = torch.ops.aten
 _LIKE = {aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0, aten.full_like.default: None}
 _NEW = {aten.new_zeros.default: 0.0, aten.new_ones.default: 1.0, aten.new_full.default: None}
 _FACTORY = {aten.zeros.default: 0.0, aten.ones.default: 1.0, aten.full.default: None}
-_FILL = {aten.zero_.default: 0.0, aten.fill_.Scalar: None}
+# in place, or their functional twins in a functionalised graph (pipeline: graphs with in-place ops)
+_FILL = {aten.zero_.default: 0.0, aten.fill_.Scalar: None, aten.zero.default: 0.0, aten.fill.Scalar: None}
 
 
 def _val(n):

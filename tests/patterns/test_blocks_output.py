@@ -314,7 +314,8 @@ class MutatesUAfterMul(nn.Module):
 
 class TestOutputMutation(TestCase):
     def test_in_place_between_mul_and_residual(self):
-        assert_near_miss(MutatesUAfterMul(), *_inputs(), kind="output", contains="in-place op")
+        # read functionalised, the add after the product is another tensor: the block reads the old u
+        check_compiled(MutatesUAfterMul(), *_inputs(), train=False, counts={"output": 1})  # eager autograd rejects the write
 
 
 if __name__ == "__main__":

@@ -358,7 +358,7 @@ class TestPreprocessNearMisses(TestCase):
         assert_near_miss(Split(extra="uvqk"), _x(), kind="preprocess", contains="projection output has other users")
 
     def test_inplace_silu(self):
-        assert_near_miss(Split(extra="inplace"), _x(), kind="preprocess", contains="not consumed only by silu")
+        assert_near_miss(Split(extra="inplace"), _x(), kind="preprocess", contains="not four consecutive blocks")
 
 
 class UpcastWithoutDowncast(nn.Module):

@@ -97,6 +97,23 @@ class Domain:
                 return b, p, sympy.Lt(p, n)
         return None
 
+    def _minmax(self, e):
+        """``Min`` / ``Max`` arguments that the ranges show never win, dropped (a clamp of a row index
+        to ``B * N - 1`` that it never exceeds)."""
+        def walk(x):
+            if not x.args:
+                return x
+            x = x.func(*[walk(a) for a in x.args])
+            if isinstance(x, (sympy.Min, sympy.Max)) and len(x.args) == 2:
+                a, c = x.args
+                lt = sympy.Le if isinstance(x, sympy.Min) else sympy.Ge
+                if self.known(lt(a, c)):
+                    return a
+                if self.known(lt(c, a)):
+                    return c
+            return x
+        return walk(e)
+
     def opaque(self, tag: str = "v") -> sympy.Symbol:
         """A value the proof does not model (what a rule reads outside its domain): any proof that
         depends on it fails, which is what makes reading it unsound-free."""
@@ -110,6 +127,8 @@ class Domain:
         fixed = {s: lo for s, (lo, hi) in self.ranges.items() if lo == hi and s in e.free_symbols}
         if fixed:
             e = e.xreplace(fixed)
+        if e.has(sympy.Min, sympy.Max):
+            e = self._minmax(e)
         if not e.has(off):
             return e
         rep = {}
@@ -242,6 +261,8 @@ class Domain:
 
     def _divmod(self, a, d):
         """``(a // d, a mod d)`` when some split of ``a`` has its remainder in ``[0, d)`` (or ``[-d, 0)``)."""
+        if self.as_row(a) is not None and self.is_rows(d):  # a jagged row is below L
+            return sympy.Integer(0), sympy.expand(a)
         for q, r in self._splits(a, d):
             b = self.bounds(r)
             if b is None:

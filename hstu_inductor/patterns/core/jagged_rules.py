@@ -83,30 +83,27 @@ def _count(E, b, c, K):
     return out
 
 
+def _sorted_count(E, n, idx, values, boundaries, right, what):
+    """``searchsorted`` / ``bucketize`` against the offsets: the number of offsets at or below the row."""
+    if len(E.shape(boundaries)) != 1:
+        raise Unsupported(f"{what} over a batch of sorted sequences")
+    if not right:
+        raise Unsupported(f"{what}(right=False) over the offsets depends on which sequences are empty")
+    x = E.at(E.src(n, values), idx)
+    K = E.shape(boundaries)[0]
+    return _cast(count_le(E, lambda k: E.at(E.src(n, boundaries), (k,)), K, x, what), _dtype(n))
+
+
 @rule(_op("searchsorted", "Tensor"))
 def _searchsorted(E, n, idx):
-    seq, values = n.args[:2]
-    right = bool(n.kwargs.get("right", False)) or n.kwargs.get("side") == "right"
-    if len(n.args) > 3:
-        right = right or bool(n.args[3])
-    if len(E.shape(seq)) != 1:
-        raise Unsupported("searchsorted over a batch of sorted sequences")
-    if not right:
-        raise Unsupported("searchsorted(right=False) over the offsets depends on which sequences are empty")
-    x = E.at(E.src(n, values), idx)
-    K = E.shape(seq)[0]
-    return _cast(count_le(E, lambda k: E.at(E.src(n, seq), (k,)), K, x, "searchsorted"), _dtype(n))
+    right = bool(n.kwargs.get("right", n.args[3] if len(n.args) > 3 else False)) or n.kwargs.get("side") == "right"
+    return _sorted_count(E, n, idx, n.args[1], n.args[0], right, "searchsorted")
 
 
 @rule(_op("bucketize", "Tensor"))
 def _bucketize(E, n, idx):
-    values, bounds = n.args[:2]
     right = bool(n.kwargs.get("right", n.args[3] if len(n.args) > 3 else False))
-    if not right:
-        raise Unsupported("bucketize(right=False) over the offsets depends on which sequences are empty")
-    x = E.at(E.src(n, values), idx)
-    K = E.shape(bounds)[0]
-    return _cast(count_le(E, lambda k: E.at(E.src(n, bounds), (k,)), K, x, "bucketize"), _dtype(n))
+    return _sorted_count(E, n, idx, n.args[0], n.args[1], right, "bucketize")
 
 
 @rule(_op("sum", "dim_IntList"))
