@@ -110,7 +110,7 @@ def build_provider(name, N, alpha, num_targets):
 
             def fn(q, k, v, off):
                 # Dynamic L and B, as a real model sees them after its first recompile; --static: the
-                # first, static compile (proven on a generalised copy of the graph, patterns/generalize.py)
+                # first, static compile (proven by value at its sizes, patterns/attn_meaning.py)
                 if not STATIC:
                     for t in (q, k, v, off, num_targets):
                         torch._dynamo.maybe_mark_dynamic(t, 0)

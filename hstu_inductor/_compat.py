@@ -465,6 +465,9 @@ def install_frame_config(wants, patches_for, may_retrace=None, retraced=None) ->
     return None if may_retrace is None else _install_retrace()
 
 
+# Callbacks run inside compiles that Dynamo's frame hook may still watch (the compiled-autograd
+# backward): traced, they would compile a frame within a compile and deadlock on Dynamo's lock.
+@torch.compiler.disable
 def _frame_start(_args) -> None:
     wants, patches_for = _FRAMES["hooks"][:2]
     backend = _compiling_backend()
@@ -476,6 +479,7 @@ def _frame_start(_args) -> None:
         setattr(cfg, k, v)
 
 
+@torch.compiler.disable
 def _frame_end(_args) -> None:
     entry = _FRAMES["active"].pop() if _FRAMES["active"] else None
     _restore(entry)

@@ -103,17 +103,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="spelling_rates", help="output path prefix (.json and .md are added)")
     p.add_argument("--grads-every", type=int, default=10, help="gradient check on every k-th compile sample")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("hstu_inductor").setLevel(logging.WARNING)  # one report per graph otherwise
-    import warnings
-
-    warnings.filterwarnings("ignore")
     from hstu_inductor.testing.grammar_run import MODES, run
+    from hstu_inductor.testing.grammar_run import start_measurement
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - MODES.keys()
-    if unknown:
-        p.error(f"unknown modes {sorted(unknown)}; known: {sorted(MODES)}")
+    modes = start_measurement(p, args.modes, MODES)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     records, start = [], time.time()

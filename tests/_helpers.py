@@ -18,7 +18,7 @@ import torch
 # does without tracing the ops' bodies into the graph or generating and building C++ (together
 # about three quarters of such a test's time). The ops traced into Inductor's graphs are tested end
 # to end by test_backend_*, test_fuzz_backend, test_explain, test_input_checks, test_export,
-# opcheck's AOT tests, tests/distributed and the production-size compiles in test_generalize;
+# opcheck's AOT tests, tests/distributed and the production-size compiles in test_production_sizes;
 # ``make test-inductor`` runs the rewrite tests through Inductor as well.
 REWRITE_BACKEND = os.environ.get("HSTU_TEST_REWRITE_BACKEND", "hstu_eager")
 assert REWRITE_BACKEND in ("hstu", "hstu_eager"), f"HSTU_TEST_REWRITE_BACKEND={REWRITE_BACKEND!r}"

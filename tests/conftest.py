@@ -173,11 +173,10 @@ HEAVY = (
     # spawned gloo process pairs (each imports torch and compiles the model on every rank)
     "tests/distributed/test_ddp.py",
     "tests/distributed/test_ddp_python_reducer.py",
-    "tests/distributed/test_ddp_sharded.py",
     "tests/distributed/test_fsdp.py",
     "tests/distributed/test_fsdp_root.py",
-    "tests/patterns/test_generalize.py::test_public_style_stacks",
-    "tests/patterns/test_generalize.py::test_real_compile_b16_n2048_equal_to_eager",
+    "tests/patterns/test_production_sizes.py::test_public_style_stacks",
+    "tests/patterns/test_production_sizes.py::test_real_compile_b16_n2048_equal_to_eager",
     "tests/patterns/test_attention_dynamic_true.py::test_dynamic_true_rewritten_and_equal",
     # opcheck's backward and delta sweeps and the hypothesis fuzzing (forward opcheck stays fast)
     "tests/test_ops_opcheck.py::test_opcheck_attention_bwd",

@@ -211,10 +211,14 @@ class Chain:
         n = self.dom.length(self.b)
         return [sympy.Lt(self.i, n), sympy.Lt(self.j, n)]
 
+    def mask_args(self):
+        """``(same sequence, i, j, n, t)``: ``valid(params)`` is the first and ``hstu_valid`` of the rest."""
+        return (sympy.true, self.i, self.j, *_mask_symbols(self))
+
     def valid(self, params):
         """HSTU's mask at the score position, for mask parameters ``params``."""
-        n, t = _mask_symbols(self)
-        return hstu_valid(self.i, self.j, n, t, params)
+        same, i, j, n, t = self.mask_args()
+        return sympy.And(same, hstu_valid(i, j, n, t, params))
 
     sampled = True  # the mask's parameters are filtered on random (i, j, n, t) first
 
@@ -639,8 +643,9 @@ def _fit_mask(ch: Chain, mask, ints, in_seq):
             return params
     # the cheap filter can miss facts of the batch (one sequence: n_b = L; rows read through the
     # offsets): every candidate, each rejected by a counterexample found so far or decided
+    seen = _CounterexampleFilter(ch, eq)
     for params in cands:
-        if params not in survivors and eq.check(ch.valid(params)):
+        if params not in survivors and not seen.rejects(params) and eq.check(ch.valid(params)):
             return params
     # no parameter set: say where the first plausible reading differs
     params = survivors[0] if survivors else (True, 0, 0, 0)
@@ -650,6 +655,32 @@ def _fit_mask(ch: Chain, mask, ints, in_seq):
     what = "matches no HSTU mask" if causal_like else "has entries above the diagonal (not causal)"
     raise Decline(f"attention mask {what} for any (max_attn_len, contextual_seq_len, "
                   f"min_full_attn_seq_len) taken from the graph's constants{where}")
+
+
+class _CounterexampleFilter:
+    """Rejects a candidate numerically (``valid_at``) at the counterexamples z3 found so far, so that
+    the symbolic ``valid(params)`` is built and decided only for candidates that survive them all."""
+
+    def __init__(self, ch, eq):
+        self.ch, self.eq, self.seen, self.cols = ch, eq, -1, None
+
+    def rejects(self, params) -> bool:
+        if self.seen != len(self.eq.models):
+            self.seen = len(self.eq.models)
+            same, i, j, n, t = self.ch.mask_args()
+            exprs = [e for e in (same, i, j, n, t) if e is not None]
+            pts = [(v, want) for v, want in self.eq.points(exprs) if v[1] < v[3] and v[2] < v[3]]
+            self.cols = None
+            if pts:
+                cols = torch.tensor([list(map(int, v)) + [int(want)] for v, want in pts])
+                self.cols = cols.unbind(1)
+        if self.cols is None:
+            return False
+        same, i, j, n, *rest = self.cols
+        t, want = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+        causal, w, c, f = params
+        got = same.bool() & valid_at(torch.arange(len(i)), i, j, n, t, w, c, f, causal)
+        return not torch.equal(got, want.bool())
 
 
 def _sample_filter(ch, mask, cands, n, t, cap):

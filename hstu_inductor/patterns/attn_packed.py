@@ -177,6 +177,9 @@ class PackedChain(attn_meaning.Chain):
     def in_seq(self):
         return []  # both coordinates are jagged rows: every position is a pair of in-sequence rows
 
+    def mask_args(self):
+        return (sympy.Eq(self.b, self.b2), self.i, self.j, *attn_meaning._mask_symbols(self))
+
     def valid(self, params):
-        n, t = attn_meaning._mask_symbols(self)
-        return sympy.And(sympy.Eq(self.b, self.b2), attn_meaning.hstu_valid(self.i, self.j, n, t, params))
+        same, i, j, n, t = self.mask_args()
+        return sympy.And(same, attn_meaning.hstu_valid(i, j, n, t, params))

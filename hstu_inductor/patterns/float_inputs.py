@@ -12,7 +12,6 @@ unchanged, float inputs included.
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 

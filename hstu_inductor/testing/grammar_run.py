@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import random
 import time
 import traceback
@@ -207,10 +208,16 @@ def _compiled_run(s: Sample, mode: str, rec: Record, grads: bool, B, N, H, D):
         compiled = torch.compile(model, backend="hstu_eager", dynamic=mode in ("compile_dynamic", "compile_one"))
         got = _tuple(compiled(*inputs))
     rec.counts, rec.graphs = dict(report.counts), report.graphs
-    tol_out, tol_grad = TOLERANCE[s.dtype]
-    rec.numeric_err = max((rel_err(a, b) for a, b in zip(got, eager)), default=0.0) if len(got) == len(eager) \
-        else float("inf")
-    ok = rec.numeric_err < tol_out
+    rec.numeric_err, rec.grad_err, rec.numeric_ok = compare_with_eager(model, inputs, eager, got, s.dtype, grads)
+    return report
+
+
+def compare_with_eager(model, inputs, eager, got, dtype, grads: bool):
+    """``(output error, gradient error or None, within TOLERANCE[dtype])`` of compiled outputs ``got``
+    against ``eager``; the gradients of the float inputs and parameters under one fixed cotangent."""
+    tol_out, tol_grad = TOLERANCE[dtype]
+    err = max((rel_err(a, b) for a, b in zip(got, eager)), default=0.0) if len(got) == len(eager) else float("inf")
+    ok, grad_err = err < tol_out, None
     if grads:
         leaves = [t for t in inputs if t.is_floating_point() and t.requires_grad] + list(model.parameters())
         cot = [torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(t.dtype) for t in eager]
@@ -220,10 +227,17 @@ def _compiled_run(s: Sample, mode: str, rec: Record, grads: bool, B, N, H, D):
                                        [c for o, c in zip(outs, cot) if o.requires_grad], allow_unused=True)
 
         pairs = [(a, b) for a, b in zip(grad(got), grad(eager)) if b is not None and b.norm() > 0]
-        rec.grad_err = max((rel_err(a, b) if a is not None else float("inf") for a, b in pairs), default=0.0)
-        ok = ok and rec.grad_err < tol_grad
-    rec.numeric_ok = ok
-    return report
+        grad_err = max((rel_err(a, b) if a is not None else float("inf") for a, b in pairs), default=0.0)
+        ok = ok and grad_err < tol_grad
+    return err, grad_err, ok
+
+
+def record_error(rec, e: Exception) -> None:
+    """An exception of one run, recorded on ``rec`` (a measurement goes on past one bad model)."""
+    rec.outcome = "error"
+    rec.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+    rec.reasons = [rec.error]
+    rec.traceback = traceback.format_exc(limit=-3)
 
 
 def run(seed_or_sample, mode: str, grads: bool = False) -> Record:
@@ -237,11 +251,23 @@ def run(seed_or_sample, mode: str, grads: bool = False) -> Record:
         rec.reasons = [r for k, r in report.near_misses if k == "attention"]
         rec.outcome = _outcome(s, rec.counts)
     except Exception as e:  # recorded, not raised: one bad model must not stop a measurement
-        rec.outcome = "error"
-        rec.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
-        rec.reasons = [rec.error]
-        rec.traceback = traceback.format_exc(limit=-3)
+        record_error(rec, e)
     finally:
         torch._dynamo.reset()
     rec.seconds = time.perf_counter() - start
     return rec
+
+
+def start_measurement(parser, modes: str, known, level=logging.WARNING) -> list:
+    """For a measuring script: log progress, not one report per graph, no warnings; the modes of
+    the comma-separated ``modes`` (an unknown one is a usage error of ``parser``)."""
+    import warnings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("hstu_inductor").setLevel(level)
+    warnings.filterwarnings("ignore")
+    out = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = set(out) - set(known)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; known: {sorted(known)}")
+    return out

@@ -1,8 +1,4 @@
 """Assertions shared by the multi-process test files."""
-import functools
-
-import pytest
-
 from _launch import run_workers
 from _workers import LAYERS, ddp_cases, fsdp_cases
 
@@ -15,9 +11,11 @@ def block_misses(near_misses) -> list:
     return [(k, r) for k, r in near_misses if "is not split into four chunks" not in r]
 
 
-def run_case(case: str) -> list:
-    """Per-rank results of one case from _workers.DDP_CASES (2 gloo processes)."""
-    return [r[case] for r in run_workers(ddp_cases, world=2, args=((case,),), timeout=240)]
+def run_cases(*cases: str) -> dict:
+    """``{case: per-rank results}`` of cases from _workers.DDP_CASES, run in turn by one pair of gloo
+    processes."""
+    per_rank = run_workers(ddp_cases, world=2, args=(cases,), timeout=240)
+    return {c: [r[c] for r in per_rank] for c in cases}
 
 
 def check_rewritten_and_equal_to_eager(ranks, *, split: bool, dynamo_graphs=1, comm_hook=True, tol=1e-5):
@@ -56,15 +54,3 @@ def fsdp_results(variants) -> dict:
     """{(shard, compile): [rank0, rank1]} for _workers.fsdp_cases, one pair of processes for all."""
     per_rank = run_workers(fsdp_cases, world=2, args=(list(variants),), timeout=240)
     return {v: [r[v] for r in per_rank] for v in variants}
-
-
-def fsdp_test(variants: dict):
-    """A test parametrized over ``variants`` ({(shard, compile): rewrites per kind}); the processes
-    run once, for the first variant, and serve them all."""
-    results = functools.cache(lambda: fsdp_results(variants))
-
-    @pytest.mark.parametrize("variant", list(variants), ids=lambda v: "-".join(v))
-    def test(variant):
-        check_fsdp(results()[variant], variants[variant])
-
-    return test

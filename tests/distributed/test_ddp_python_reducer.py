@@ -2,11 +2,11 @@
 does not split the forward graph; DDP's gradient allreduces are traced into the compiled
 backward (a second graph, also given to the backend). Own file: the mode is fixed when DDP is
 built and changes Dynamo's inlining rules for the rest of the process."""
-from _checks import check_rewritten_and_equal_to_eager, run_case
+from _checks import check_rewritten_and_equal_to_eager, run_cases
 
 
 def test_python_reducer_every_block_rewritten():
-    ranks = run_case("python_reducer")
+    ranks = run_cases("python_reducer")["python_reducer"]
     for r in ranks:
         # forward + compiled-autograd backward graph(s), all given to the backend; only the forward
         # holds HSTU blocks. Tensor.backward() itself is Dynamo's own graph break in this mode.

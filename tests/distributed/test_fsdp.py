@@ -8,7 +8,7 @@ Gradients: each rank's local shard, compiled vs eager FSDP2.
 """
 import pytest
 
-from _checks import fsdp_test
+from _checks import check_fsdp, fsdp_results
 
 if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
     pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
@@ -17,4 +17,15 @@ if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
 # own graph (FSDP hooks break the graph at each layer) and they share one compiled STULayer.forward.
 VARIANTS = {("layer", "whole"): 1, ("layer", "block"): 1}
 
-test_fsdp2_every_block_rewritten_and_grads_equal = fsdp_test(VARIANTS)
+
+
+# one pair of processes runs every variant; the module scope also keeps this file's tests on one
+# xdist worker (tests/conftest.py), so the pair runs once per suite
+@pytest.fixture(scope="module")
+def results():
+    return fsdp_results(VARIANTS)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=lambda v: "-".join(v))
+def test_fsdp2_every_block_rewritten_and_grads_equal(results, variant):
+    check_fsdp(results[variant], VARIANTS[variant])

@@ -3,7 +3,7 @@ unsharded parameters are plain tensors in the model's forward, so a whole-model 
 graph holding every block."""
 import pytest
 
-from _checks import fsdp_test
+from _checks import check_fsdp, fsdp_results
 from _workers import LAYERS
 
 if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
@@ -13,4 +13,15 @@ if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
 # one graph, 1 when each layer is compiled on its own (one compiled STULayer.forward, reused).
 VARIANTS = {("root", "whole"): LAYERS, ("root", "block"): 1}
 
-test_fsdp2_every_block_rewritten_and_grads_equal = fsdp_test(VARIANTS)
+
+
+# one pair of processes runs every variant; the module scope also keeps this file's tests on one
+# xdist worker (tests/conftest.py), so the pair runs once per suite
+@pytest.fixture(scope="module")
+def results():
+    return fsdp_results(VARIANTS)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=lambda v: "-".join(v))
+def test_fsdp2_every_block_rewritten_and_grads_equal(results, variant):
+    check_fsdp(results[variant], VARIANTS[variant])

@@ -65,7 +65,7 @@ class _Translator:
         if isinstance(e, sympy.Rational):
             return z3.RealVal(f"{e.p}/{e.q}")
         if isinstance(e, sympy.Float):
-            return z3.RealVal(sympy.Rational(e).limit_denominator(10 ** 18) if False else str(sympy.Rational(e)))
+            return z3.RealVal(str(sympy.Rational(e)))
         if e in (sympy.oo, -sympy.oo, sympy.zoo, sympy.nan):
             raise Unsupported(f"infinite value {e} in a decided formula")
         if isinstance(e, sympy.Symbol):
@@ -314,3 +314,20 @@ class Equivalence:
             self.models.append(s.model())
             return False
         return r == z3.unsat
+
+    def points(self, exprs) -> list:
+        """``(values of exprs, value of the target)`` at each counterexample found so far (ints and
+        bools; a point where one is neither is left out), for filtering candidates numerically."""
+        zs = [self.tr(e) for e in exprs]
+        out = []
+        for m in self.models:
+            vals = [_concrete(m.eval(z, model_completion=True)) for z in zs + [self.target]]
+            if None not in vals:
+                out.append((vals[:-1], vals[-1]))
+        return out
+
+
+def _concrete(v):
+    if z3.is_true(v) or z3.is_false(v):
+        return z3.is_true(v)
+    return v.as_long() if z3.is_int_value(v) else None

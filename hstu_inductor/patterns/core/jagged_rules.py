@@ -26,7 +26,7 @@ from .elements import NAMED_RULES, _dtype, _kw, _op, _opname, linear, rule, unra
 from .rules_layout import _align, _broadcast_shape, _index, _slice_bounds
 from .values import meta_val
 from .rules_values import _cast
-from .values import Unsupported, boolean, indicator, is_bool, num, select
+from .values import Unsupported, boolean, indicator, num, select
 
 aten = torch.ops.aten
 
@@ -333,30 +333,14 @@ def _invert(E, ishape, index_at, targets, tshape, what, src_rows, tgt_rows):
     if missing:
         raise Unsupported(f"{what}: cannot invert its index map ({', '.join(map(str, vals))})")
     # injective: the solution recovers every source position from the index it writes
-    back = {}
-    for g, v in zip(gsyms, vals):
-        if g[0] == "plain":
-            back[g[1]] = v
-        else:
-            row = E.dom.as_row(v)
-            if row is None:
-                raise Unsupported(f"{what}: writes rows {v} that are not jagged rows")
-            back[g[1]], back[g[2]] = row
+    back = _bind_generic(E, gsyms, vals, f"{what}: writes rows {{}} that are not jagged rows")
     for u in unknown:
         again = E.dom.simplify_divmod(E.dom.canon(solved[u].xreplace(back)))
         if sympy.expand(again - E.dom.canon(u)) != 0:
             raise Unsupported(f"{what}: may write an element twice (index map {', '.join(map(str, vals))} "
                               f"is not injective)")
     # read at the actual targets
-    at = {}
-    for g, t in zip(gsyms, targets):
-        if g[0] == "plain":
-            at[g[1]] = t
-        else:
-            row = E.dom.as_row(t)
-            if row is None:
-                raise Unsupported(f"{what}: written rows read at {t}, not a jagged row")
-            at[g[1]], at[g[2]] = row
+    at = _bind_generic(E, gsyms, targets, f"{what}: written rows read at {{}}, not a jagged row")
     sol = {u: E.dom.simplify_divmod(E.dom.canon(solved[u].xreplace(at))) for u in unknown}
     conds = []
     for s in syms:
@@ -666,3 +650,17 @@ def _mm(E, n, idx):
     return one_hot_product(E, n, idx)
 
 
+def _bind_generic(E, gsyms, values, unsupported: str) -> dict:
+    """The generic index symbols bound to ``values``: a plain symbol to its value, a jagged row's
+    pair ``(b, p)`` to the row's decomposition (``unsupported``, formatted with the value, if the
+    value is not a jagged row)."""
+    out = {}
+    for g, v in zip(gsyms, values):
+        if g[0] == "plain":
+            out[g[1]] = v
+            continue
+        row = E.dom.as_row(v)
+        if row is None:
+            raise Unsupported(unsupported.format(v))
+        out[g[1]], out[g[2]] = row
+    return out
