@@ -261,3 +261,36 @@ def test_index_maps_that_are_not_the_pad(model):
         report = hstu_inductor.explain(model, q, k, v, offsets, backend=REWRITE_BACKEND)
         assert report.counts["attention"] == 0 and report.near_misses, report
         assert _rel(report.output, model(q, k, v, offsets)) < 1e-6
+
+
+def test_constant_tables_read_in_closed_form():
+    """An ``arange`` with unit dims is affine, a causal buffer is a band, a small table otherwise one
+    case per distinct value; each equals the tensor at every position."""
+    from hstu_inductor.patterns.core.tables import table_element
+
+    i, j = sympy.symbols("i j", integer=True)
+    g = torch.Generator().manual_seed(3)
+    pos = (torch.arange(16) * 3 + 5)[None]
+    causal = torch.triu(torch.ones(12, 12), 1)
+    small = torch.randint(-4, 5, (3, 5), generator=g)
+    assert table_element(pos, (0, i), "pos") == 3 * i + 5
+    for t, name in ((causal, "causal"), (small, "small")):
+        e = table_element(t, (i, j), name)
+        assert not e.has(sympy.Piecewise) or len(e.atoms(sympy.Piecewise)) == 1  # one flat case split
+        for a in range(t.shape[0]):
+            for b in range(t.shape[1]):
+                assert float(e.subs({i: a, j: b})) == t[a, b].item(), (name, a, b)
+
+
+def test_tables_compared_at_symbolic_positions_are_declined_not_hung():
+    """A non-affine position table read at two positions and compared: sympy would fold every pair
+    of cases out of the condition (minutes); the prover declines with a reason instead."""
+    from hstu_inductor.patterns.core.tables import table_element
+    from hstu_inductor.patterns.core.values import Unsupported, num
+
+    i, j = sympy.symbols("i j", integer=True)
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(5))[None]
+    cond = sympy.And(sympy.Le(table_element(perm, (0, j), "p"), table_element(perm, (0, i), "p")),
+                     sympy.Lt(table_element(perm, (0, i), "p") - table_element(perm, (0, j), "p"), 4))
+    with pytest.raises(Unsupported, match="cases"):
+        num(cond)

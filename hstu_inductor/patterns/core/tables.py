@@ -6,10 +6,10 @@ compile time. Read at concrete coordinates they are looked up; read at symbolic 
 need a closed form, found by an exhaustive comparison with the whole tensor (so the form *is* the
 tensor, at its real size):
 
-* a tensor of at most ``_SMALL`` elements: a ``Piecewise`` over its elements;
-* 1-D: ``a * x + c`` (compared with ``arange``);
+* ``c + sum_k a_k * x_k`` (compared with ``arange`` along each dim);
 * 2-D whose value depends on ``j - i`` only (constant along every diagonal): a ``Piecewise`` over the
-  runs of equal values of ``j - i`` (a causal mask, a band, an upper triangle).
+  runs of equal values of ``j - i`` (a causal mask, a band, an upper triangle);
+* else, a tensor of at most ``_SMALL`` elements: a ``Piecewise`` over its elements.
 
 Anything else is :class:`~.elements.Unsupported`, naming the constant. The cost is a few passes
 over the tensor (16 M elements for ``N = 4096``: tens of milliseconds), paid once per constant.
@@ -55,52 +55,71 @@ def table_element(t: torch.Tensor, idx, name: str):
 
 
 def _closed_form(t: torch.Tensor, name: str):
-    if t.numel() <= _SMALL:
-        flat = [_value(v) for v in t.reshape(-1).tolist()]
-        shape = list(t.shape)
+    # the closed forms first: a small arange read as a 16-way Piecewise makes every later step slow
+    form = _affine(t)
+    if form is None and t.dim() == 2:
+        form = _band(t)
+    if form is None and t.numel() <= _SMALL:
+        form = _small(t)
+    return form
 
-        def small(idx, select):
-            lin = sympy.Integer(0)
-            for x, s in zip(idx, shape):
-                lin = lin * s + x
-            out = flat[-1]
-            for k in reversed(range(len(flat) - 1)):
-                out = select(sympy.Eq(lin, k), flat[k], out)
-            return out
-        return small
-    if t.dim() == 1:
-        n = t.shape[0]
+
+def _small(t: torch.Tensor):
+    """One flat case split over the flat index, a case per distinct value (nested selects would make
+    every comparison with the element fold exponentially)."""
+    flat = [_value(v) for v in t.reshape(-1).tolist()]
+    shape = list(t.shape)
+    where: dict = {}
+    for k, v in enumerate(flat):
+        where.setdefault(v, []).append(k)
+
+    def small(idx, select):
+        lin = sympy.Integer(0)
+        for x, s in zip(idx, shape):
+            lin = lin * s + x
+        at = {v: sympy.Or(*[sympy.Eq(lin, k) for k in ks]) for v, ks in where.items()}
         if t.dtype == torch.bool:
-            return None
-        a = (t[1] - t[0]).item()
-        c = t[0].item()
-        ar = torch.arange(n, dtype=torch.float64)
-        if torch.equal(t.to(torch.float64), ar * a + c):
-            av, cv = _value(a), _value(c)
-            return lambda idx, select: av * idx[0] + cv
-        return None
-    if t.dim() == 2:
-        R, C = t.shape
-        if R > 1 and C > 1 and not torch.equal(t[1:, 1:], t[:-1, :-1]):
-            return None
-        # value as a function of d = j - i, for d in [-(R-1), C-1]: first column reversed, then first row
-        along = torch.cat([t[1:, 0].flip(0), t[0, :]])
-        d0 = -(R - 1)
-        change = torch.nonzero(along[1:] != along[:-1]).reshape(-1).tolist()
-        if len(change) > 8:
-            return None
-        runs = []  # (last d of the run, value)
-        start = 0
-        for c in change + [len(along) - 1]:
-            runs.append((d0 + c, _value(along[c].item())))
-            start = c + 1
-        _ = start
+            return at.get(sympy.true, sympy.false)
+        *rest, last = where
+        return sympy.Piecewise(*[(v, at[v]) for v in rest], (last, True))
+    return small
 
-        def band(idx, select):
-            d = idx[1] - idx[0]
-            out = runs[-1][1]
-            for last, v in reversed(runs[:-1]):
-                out = select(sympy.Le(d, last), v, out)
-            return out
-        return band
-    return None
+
+def _affine(t: torch.Tensor):
+    """``c + sum_k a_k * x_k`` (an ``arange``, also with unit dims: ``arange(N)[None]``)."""
+    if t.dtype == torch.bool or t.dim() == 0 or t.numel() < 2:
+        return None
+    origin = (0,) * t.dim()
+    c = t[origin].item()
+    steps = [(t[tuple(1 if k == d else 0 for k in range(t.dim()))] - t[origin]).item() if t.shape[d] > 1 else 0
+             for d in range(t.dim())]
+    want = torch.full(t.shape, float(c), dtype=torch.float64)
+    for d, a in enumerate(steps):
+        shape = [1] * t.dim()
+        shape[d] = t.shape[d]
+        want = want + torch.arange(t.shape[d], dtype=torch.float64).reshape(shape) * a
+    if not torch.equal(t.to(torch.float64), want):
+        return None
+    coefs, cv = [_value(a) for a in steps], _value(c)
+    return lambda idx, select: sum((a * x for a, x in zip(coefs, idx)), sympy.Integer(0)) + cv
+
+
+def _band(t: torch.Tensor):
+    R, C = t.shape
+    if R > 1 and C > 1 and not torch.equal(t[1:, 1:], t[:-1, :-1]):
+        return None
+    # value as a function of d = j - i, for d in [-(R-1), C-1]: first column reversed, then first row
+    along = torch.cat([t[1:, 0].flip(0), t[0, :]])
+    d0 = -(R - 1)
+    change = torch.nonzero(along[1:] != along[:-1]).reshape(-1).tolist()
+    if len(change) > 8:
+        return None
+    runs = [(d0 + c, _value(along[c].item())) for c in change + [len(along) - 1]]  # (last d of a run, value)
+
+    def band(idx, select):
+        d = idx[1] - idx[0]
+        out = runs[-1][1]
+        for last, v in reversed(runs[:-1]):
+            out = select(sympy.Le(d, last), v, out)
+        return out
+    return band

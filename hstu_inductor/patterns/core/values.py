@@ -27,8 +27,23 @@ def num(e):
             return sympy.Integer(1)
         if e is sympy.false:
             return sympy.Integer(0)
+        _check_cases(e)
         return sympy.Piecewise((1, e), (0, True))
     return e
+
+
+_MAX_CASES = 64
+
+
+def _check_cases(cond) -> None:
+    """Sympy folds every case split inside a condition out of it: the product of their sizes. Past
+    ``_MAX_CASES`` that is minutes of sympy for an element nobody can decide: declined instead."""
+    n = 1
+    for p in cond.atoms(sympy.Piecewise):
+        n *= len(p.args)
+        if n > _MAX_CASES:
+            raise Unsupported(f"an element condition splits into more than {_MAX_CASES} cases (tables read at "
+                              f"symbolic positions, compared)")
 
 
 def indicator(e):
