@@ -89,6 +89,10 @@ cost_rule_min_work: dict = {"infer": 24e6, "train": 96e6}
 #: for comparison; it declines candidates too large to probe). docs/patterns.md, "The proof".
 prover: str = os.environ.get("HSTU_INDUCTOR_PROVER", "meaning")
 
+#: Seconds one attention candidate's proof may take; past it the candidate is declined with that reason
+#: (a proof takes well under a second at B=128, N=4096: docs/proof_time.md).
+proof_budget_s: float = float(os.environ.get("HSTU_INDUCTOR_PROOF_BUDGET_S", "30"))
+
 #: Raise instead of falling back to stock Inductor when our passes fail unexpectedly.
 strict: bool = os.environ.get("HSTU_INDUCTOR_STRICT", "0") == "1"
 
@@ -106,6 +110,8 @@ def validate() -> None:
             isinstance(v, (int, float)) and v >= 0 for v in cost_rule_min_work.values()):
         raise ValueError(f"hstu_inductor.config.cost_rule_min_work={cost_rule_min_work!r}; expected "
                          "{'infer': number >= 0, 'train': number >= 0}")
+    if not (isinstance(proof_budget_s, (int, float)) and proof_budget_s > 0):
+        raise ValueError(f"hstu_inductor.config.proof_budget_s={proof_budget_s!r}; expected a number of seconds > 0")
     unknown = set(patterns) - {"attention", "preprocess", "output"}
     if unknown:
         raise ValueError(f"hstu_inductor.config.patterns has unknown kinds {sorted(unknown)}")
@@ -118,7 +124,7 @@ def snapshot() -> dict:
             "block_backward": block_backward, "fuse_u_silu": fuse_u_silu, "check_inputs": check_inputs,
             "strict": strict,
             "specialize_features": specialize_features, "capture_dynamic_shape_ops": capture_dynamic_shape_ops,
-            "rab_tables": rab_tables, "prover": prover, "cost_rule": cost_rule, "cost_rule_min_work": dict(cost_rule_min_work)}
+            "rab_tables": rab_tables, "prover": prover, "proof_budget_s": proof_budget_s, "cost_rule": cost_rule, "cost_rule_min_work": dict(cost_rule_min_work)}
 
 
 @contextlib.contextmanager

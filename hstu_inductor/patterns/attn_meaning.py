@@ -36,7 +36,7 @@ from .attn_find import PadMismatch, meta_val
 from .core import decide
 from .core.domain import Domain, off, tgt
 from .core.elements import Elements, unravel
-from .core.values import Unsupported, boolean, is_bool, num, size_expr
+from .core.values import Unsupported, boolean, is_bool, num, size_expr, time_budget
 from .core.semantics import cases, hstu_valid, interval_valid
 from .prover import Decline, hints, mask_candidates, silu, sym_expr, valid_at
 
@@ -892,7 +892,9 @@ def _compat_scope():
 def prove(gm, plan, sub) -> None:
     """Prove the candidate by meaning and fill in the plan's constants (alpha, mask parameters,
     scale); raises Decline (``PadMismatch`` for a pad, so that its next source is tried)."""
-    with _compat_scope():
+    from .. import config
+
+    with _compat_scope(), time_budget(config.proof_budget_s):
         _prove(gm, plan, sub)
 
 

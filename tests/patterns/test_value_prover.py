@@ -294,3 +294,14 @@ def test_tables_compared_at_symbolic_positions_are_declined_not_hung():
                      sympy.Lt(table_element(perm, (0, i), "p") - table_element(perm, (0, j), "p"), 4))
     with pytest.raises(Unsupported, match="cases"):
         num(cond)
+
+
+def test_proof_past_its_time_budget_is_declined_and_equal_to_eager():
+    """A proof that runs past ``config.proof_budget_s`` declines the candidate with that reason (the
+    graph then runs as the user wrote it); a budget of zero seconds is refused as a setting."""
+    with hstu_inductor.config.patch(proof_budget_s=1e-9):
+        report = _check(Reassociated(), False, 0)
+    assert any("time budget" in r for _, r in report.near_misses), report.near_misses
+    with pytest.raises(ValueError, match="proof_budget_s"):
+        with hstu_inductor.config.patch(proof_budget_s=0):
+            pass

@@ -19,7 +19,7 @@ from typing import Optional
 import sympy
 
 from .domain import Domain, off, tgt
-from .values import Unsupported, boolean, is_bool
+from .values import Unsupported, boolean, check_budget, is_bool
 
 try:
     import z3
@@ -301,6 +301,7 @@ class Equivalence:
         self.models: list = []
 
     def check(self, candidate) -> bool:
+        check_budget()
         c = self.tr(candidate)
         same = self.target == c
         for m in self.models:

@@ -35,7 +35,7 @@ import torch
 
 from .. import constants
 from .domain import Domain
-from .values import Unsupported, meta_val, size_expr
+from .values import Unsupported, check_budget, meta_val, size_expr
 
 aten = torch.ops.aten
 
@@ -72,6 +72,7 @@ class Elements:
         key = (n, idx)
         if key in self._memo:
             return self._memo[key]
+        check_budget()
         if n in self.leaves:
             out = self.leaves[n](idx)
         elif n in self.overrides:

@@ -1,6 +1,9 @@
 """Element values: booleans and numbers as sympy expressions, and the one error of the core."""
 from __future__ import annotations
 
+import contextlib
+import time
+
 import sympy
 import torch
 
@@ -91,3 +94,23 @@ def size_expr(s):
     if isinstance(s, sympy.Basic):
         return s
     return sympy.Integer(int(s))
+
+
+_DEADLINE: list = [None]
+
+
+@contextlib.contextmanager
+def time_budget(seconds: float):
+    """Proof steps taken after ``seconds`` raise :class:`Unsupported`: a proof never holds a user's
+    compile for long (the graph then compiles as stock Inductor would)."""
+    saved = _DEADLINE[0]
+    _DEADLINE[0] = time.monotonic() + seconds
+    try:
+        yield
+    finally:
+        _DEADLINE[0] = saved
+
+
+def check_budget() -> None:
+    if _DEADLINE[0] is not None and time.monotonic() > _DEADLINE[0]:
+        raise Unsupported("the proof ran past its time budget (hstu_inductor.config.proof_budget_s)")
