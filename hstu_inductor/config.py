@@ -68,9 +68,9 @@ capture_dynamic_shape_ops: bool = os.environ.get("HSTU_INDUCTOR_CAPTURE_DYNAMIC_
 #: True: a bias proven to be the original HSTU's position / bucketed-time tables goes to the attention
 #: op's in-kernel table bias (``timestamps, pos_w, ts_w, ts_bounds``: no N x N bias in memory). False
 #: (default): every bias is passed as the dense ``rab`` the user's graph computes. Off by default
-#: because the in-kernel path is still the slower one: on the H100 (B=128, N=1024, fwd+bwd) 30.9 ms
+#: because the in-kernel path is still the slower one: on the H100 (B=128, N=1024, fwd+bwd) 30.7 ms
 #: against 5.1 ms for the dense [B, 1, N, N] rab, which needs +1256 MiB against +488 MiB
-#: (benchmarks/RESULTS.md, session 9). Turn it on where the N x N bias does not fit.
+#: (benchmarks/RESULTS.md, 2026-11-24). Turn it on where the N x N bias does not fit.
 rab_tables: bool = os.environ.get("HSTU_INDUCTOR_RAB_TABLES", "0") == "1"
 
 #: The cost rule (cost_rule.py): "auto" keeps stock Inductor's code for graphs too small for the rewrites to pay
@@ -79,7 +79,7 @@ cost_rule: str = os.environ.get("HSTU_INDUCTOR_COST_RULE", "auto")
 
 #: The cost rule's thresholds: an attention's ``B * H * max_seq_len**2`` (score elements per call) from which the
 #: rewrites run, for inference and for training graphs. Measured on an H100 host with one STU layer (E=512,
-#: H=4, D=128, bf16; benchmarks/RESULTS.md, session 12): the rewrites lost at 16.8M and won at 33.6M in
+#: H=4, D=128, bf16; benchmarks/RESULTS.md, 2026-11-24): the rewrites lost at 16.8M and won at 33.6M in
 #: inference, lost at 67M and won at 134M in training. Hosts with faster single-thread Python lower both.
 cost_rule_min_work: dict = {"infer": 24e6, "train": 96e6}
 

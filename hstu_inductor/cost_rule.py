@@ -1,7 +1,7 @@
 """The cost rule: keep stock Inductor's code for graphs that it runs faster than the rewrites.
 
 Without CUDA graphs, a small step is bound by host time. Each hstu op costs more host time per call
-than the code Inductor generates for the same ops (benchmarks/RESULTS.md, session 12). So below some
+than the code Inductor generates for the same ops (benchmarks/RESULTS.md, 2026-11-24, H100). So below some
 size the rewritten graph loses, although its kernels are faster. The rule decides by the work of the
 attention, the part of the layer that grows fastest with size:
 

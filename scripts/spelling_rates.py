@@ -42,6 +42,19 @@ def _rate(k, n):
     return f"{k}/{n} ({100 * k / n:.0f}%)" if n else "-"
 
 
+def _agreement(records: list, modes: list) -> list:
+    """Seeds whose outcome (rewritten, partial, declined, near miss kept, ...) differs between modes:
+    a model must get the same decision static, dynamic and exported."""
+    by_seed = collections.defaultdict(dict)
+    for r in records:
+        by_seed[r["seed"]][r["mode"]] = r["outcome"]
+    full = {s: o for s, o in by_seed.items() if set(o) == set(modes)}
+    differ = {s: o for s, o in full.items() if len(set(o.values())) > 1}
+    lines = ["", f"## Same decision in every mode: {len(full) - len(differ)}/{len(full)} seeds", ""]
+    lines += [f"- seed {s}: " + ", ".join(f"{m} {o}" for m, o in sorted(outs.items())) for s, outs in sorted(differ.items())]
+    return lines
+
+
 def tables(records: list, modes: list) -> str:
     by_mode = {m: [r for r in records if r["mode"] == m] for m in modes}
     lines = ["## Per mode", "",
@@ -80,6 +93,7 @@ def tables(records: list, modes: list) -> str:
         lines += ["", f"## {title}: {len(bad)}", ""]
         lines += [f"- seed {r['seed']} {r['mode']}: err {r['numeric_err']}, grad {r['grad_err']}, "
                   f"{r['choices']}" for r in bad[:20]]
+    lines += _agreement(records, modes)
     lines += ["", "## Most common decline reasons of HSTU samples (reason as reported, one example seed)", ""]
     for m, rs in by_mode.items():
         groups = collections.defaultdict(list)

@@ -237,7 +237,7 @@ def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_T
 @triton.jit
 def _pre_silu(s, alpha, RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
               TS_STEPS: tl.constexpr):
-    """(x, a, bucket) with silu(a * x) the score: (s, alpha, 0) without a bias (today's code unchanged),
+    """(x, a, bucket) with silu(a * x) the score: (s, alpha, 0) without a bias (the bias-free arithmetic),
     else (alpha * s + bias, 1, bucket)."""
     if HAS_RAB or HAS_POS or HAS_TS:
         x, bk = _bias(RB, rows, cols, n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
@@ -1106,7 +1106,7 @@ def _cfg(kind, block_m, block_n, warps, stages, maxnreg=None, qregs=False):
 # maxnreg=128 with 8 warps lets two 128-row CTAs share an SM (independent warpgroups overlap better).
 # q_in_regs: Q (and dO) become register A operands of wgmma, halving shared-memory reads of S = Q K^T.
 # The head-dim <= 128 lists keep the configs that came first or second for some N in 512..4096 and
-# some layout in the H100 tuning logs of session 5 (benchmarks/RESULTS.md); each extra config costs a
+# some layout in the H100 tuning logs (benchmarks/RESULTS.md, 2026-11-22/23); each extra config costs a
 # Triton compile on the first call of every new key.
 _R = True
 _GPU_CONFIGS = {
@@ -1205,7 +1205,7 @@ def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, k
 
 # Plain eager launches skip the Autotuner once it has picked a config for their key: its run() rebuilds
 # the key from every argument on each call (dicts of ~45 arguments, list lookups, str() of every tensor's
-# dtype), tens of microseconds of host time per launch (issue 22). Our key holds the Autotuner's (the
+# dtype), tens of microseconds of host time per launch. Our key holds the Autotuner's (the
 # _KEY arguments and the tensors' dtypes) and all constexprs, so a hit launches the config it would.
 _CHOSEN: dict = {}
 
@@ -1259,8 +1259,8 @@ def _tma_ok(t: Optional[torch.Tensor]) -> bool:
 
 
 # tma=None takes descriptors only from this N bucket up: below it the per-program descriptor set-up
-# costs more than TMA saves (H100, session 5: pointer loads 209 vs 173 TFLOP/s fwd at N=512, 313 vs
-# 302 at N=1024; a tie at 2048; TMA 479 vs 431 at 4096).
+# costs more than TMA saves (H100, benchmarks/RESULTS.md, 2026-11-22/23: pointer loads 209 vs 173
+# TFLOP/s fwd at N=512, 313 vs 302 at N=1024; a tie at 2048; TMA 479 vs 431 at 4096).
 _TMA_MIN_N = 2048
 
 
@@ -1499,7 +1499,7 @@ def _ts_bounds_and_plan(ts_bounds, nb, ts_dtype, device):
 def _n_bucket(max_seq_len) -> int:
     """The autotuning key for N (power of two); unused by the kernels' arithmetic, so a symbolic N
     is keyed by its compile-time value without a guard."""
-    if type(max_seq_len) is int:  # eager calls: skip size_hint's import (host time, issue 22)
+    if type(max_seq_len) is int:  # eager calls: skip size_hint's import (host time per call)
         return _pow2(max_seq_len)
     return triton.next_power_of_2(_compat.size_hint(max_seq_len))
 
@@ -1535,8 +1535,8 @@ def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_
 
 
 def _seq_major() -> bool:
-    """Tile order (:func:`_tile`). ``HSTU_INDUCTOR_TILE_ORDER=block`` restores the block-major order
-    of earlier releases, for side-by-side benchmarks."""
+    """Tile order (:func:`_tile`). ``HSTU_INDUCTOR_TILE_ORDER=block`` selects the block-major order,
+    for side-by-side benchmarks."""
     order = os.environ.get("HSTU_INDUCTOR_TILE_ORDER", "seq")
     if order not in ("seq", "block"):
         raise ValueError(f"HSTU_INDUCTOR_TILE_ORDER must be 'seq' or 'block', got {order!r}")
@@ -1589,7 +1589,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
             H, Dq, Dv, k.shape[0], max_seq_len, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
             _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows) + tab_args \
         + tab_bnd
-    if rab is not None:  # only then: without rab/intervals the launch (and the kernel) is today's
+    if rab is not None:  # only then: without rab/intervals the launch (and the kernel) is the bias-free one
         flags["HAS_RAB"] = True
     flags.update(tab_flags)
     kwargs = dict(flags, SCALE_MODE=scale_mode, DELTA=delta_rows > 0, TMA=use_tma, SEQ_MAJOR=_seq_major(),
@@ -1703,13 +1703,14 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
     flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, intervals)
-    if rab is not None:  # only then: without rab/intervals the launches (and the kernels) are today's
+    if rab is not None:  # only then: without rab/intervals the launches (and the kernels) are the bias-free ones
         flags["HAS_RAB"] = True
     flags.update(tab_flags)
     # Algorithm: "split" = dK/dV kernel + separate dQ kernel (no atomics, bitwise repeatable);
     # "atomic" = one kernel, dQ through fp32 atomics. Split is the default: with the sequence-major
-    # tile order it measured faster at N <= 1024 and tied at 2048 (H100, session 5; atomics won
-    # at N <= 1024 only while every tile re-read Q/dO from DRAM). HSTU_INDUCTOR_BWD_ALGO=atomic overrides.
+    # tile order it measured faster at N <= 1024 and tied at 2048 (H100, benchmarks/RESULTS.md, 2026-11-22/23;
+    # atomics win at N <= 1024 only in the block-major order, where every tile re-reads Q/dO from DRAM).
+    # HSTU_INDUCTOR_BWD_ALGO=atomic overrides.
     algo = "split" if deterministic else os.environ.get("HSTU_INDUCTOR_BWD_ALGO", "split")
     if algo not in ("split", "atomic"):
         raise ValueError(f"HSTU_INDUCTOR_BWD_ALGO must be 'split' or 'atomic', got {algo!r}")

@@ -2,7 +2,7 @@
 
 The traceable check of ``ops/_checks.py`` is about 15 small ATen ops (slices, compares, ``all``,
 ``stack``, ``_assert_async``): inside a compiled graph Inductor fuses them, but a direct eager call
-pays one host launch each (about 0.1 ms of host time, issue 22). :func:`check_jagged` does the
+pays one host launch each (about 0.1 ms of host time). :func:`check_jagged` does the
 same checks in one launch, ending in ``tl.device_assert`` (compiled with ``debug=True``): like
 ``torch._assert_async`` on CUDA, a failure is a device-side assert and no host sync is needed.
 """

@@ -36,7 +36,7 @@ def address_source(t):
     offsets: ``start = offsets[b]``). Traced (``wrap_triton``), a private copy: torch 2.11's TTIR
     mutation analysis follows a store's address back through the load into ``t`` and reports ``t`` as
     mutated. ``t`` is the graph's offsets input, so functionalization then writes it back (an input
-    mutation), and Inductor skips CUDA graphs for the whole graph ("mutated inputs"; issue 22, on the
+    mutation), and Inductor skips CUDA graphs for the whole graph ("mutated inputs"; seen on the
     H100). The copy is B+1 integers; plain eager calls (no analysis) pass ``t`` itself."""
     if t is None or interpret() or plain_eager(t):
         return t

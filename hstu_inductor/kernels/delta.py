@@ -11,34 +11,33 @@ launch, and bitwise repeatable: the order does not depend on which program finis
 stores straight into the output. Row block, key tile, pipeline and load path are a plan's
 (``delta_plans.PLANS``, one table by rows; where it names none, the full forward's row blocks run).
 
-Why (issue 22 item 4). On the H100 (N=1024, B=128, H=4, 1 row, bf16) the split kernel of session 9 (split
-2, config (64, 3, 8)) ran as long as GR's kernel in ncu (92.4 us, 84 % of DRAM bandwidth), but do_bench gave
-0.107 against 0.101 ms: the difference was a second launch that summed the partials, and its buffer.
+Why one launch and one wave (H100, N=1024, B=128, H=4, 1 row, bf16; benchmarks/RESULTS.md, 2026-11-24). Split 2
+with config (64, 3, 8) and the partials summed by a second launch (``fold=False``) ran as long as GR's kernel in ncu
+(92.4 us, 84 % of DRAM bandwidth), but do_bench gave 0.107 against 0.101 ms: the difference was the second launch
+and its buffer.
 * The fold in the last program removes that launch. Its counters must be zero at launch: see
   :func:`_counters` for why a plain eager launch reuses a buffer (no memset) and a traced or captured one
   gets a fresh zeroed buffer (one small memset, no hidden state in a graph).
 * No split when the row blocks fill the GPU. The default config (32, 3, 4) compiles to 96 registers and
   37 KB of shared memory (sm90, ``scripts/delta_occupancy.py``): an SM holds 5 programs, so 512 row blocks
-  are one wave on 132 SMs and need no partials at all (GR's shape: 512 programs in one wave). Session 9's
-  (64, 3, 8) holds 3 (2 with the fold's code: ptxas then takes 98 registers instead of 80), so 512 programs
-  were 1.3 waves, which the split had to fix.
+  are one wave on 132 SMs and need no partials at all (GR's shape: 512 programs in one wave). (64, 3, 8)
+  holds 3 (2 with the fold's code: ptxas then takes 98 registers instead of 80), so 512 programs are
+  1.3 waves, which only a split fixes.
 * Not taken: fp32 atomics into the output (the sum's order, hence its bits, would vary, and the output
   would need zeroing); thread-block clusters summing in distributed shared memory (one launch without
   counters, but not expressible in Triton 3.6).
 
-Prediction (H100, N=1024, B=128, H=4, bf16; to be measured, ``GPU_TODO.md``): at 1 and 16 rows one wave of
-512 programs without a split, 0.100-0.104 ms (GR 0.101; session 9 0.107 / 0.111). The fold on session 9's
-plan (split 2, (64, 3, 8)) saves the sum kernel (~4-5 us) but drops to 2 programs per SM: ~0.102-0.106.
-Bandwidth: K+V is 254 MB, so 0.101 ms is 2.5 TB/s, 75 % of 3.35 TB/s in do_bench time; the kernels' own
-DRAM throughput in ncu was 84-86 %. Reaching 85 % in do_bench time needs faster loads, not fewer launches.
+Measured there: at 1 and 16 rows one wave of 512 programs without a split takes 0.1006 / 0.1010 ms (GR 0.1008 /
+0.1014; (64, 3, 8) split 2: 0.107 / 0.112 in two launches, 0.104 / 0.110 folded). K+V is 254 MB, so 0.1006 ms is
+2.5 TB/s, 75 % of 3.35 TB/s in do_bench time; the kernel's own DRAM throughput in ncu is 84-86 %.
 
-17-128 rows (issue 22 item 4: 0.89-0.97x GR at 64 and 128 rows, session 11). At 128 rows one (sequence, head)
-needs ~2 MFLOP of wgmma and 4096 MUFU tanh per 16 KB K/V tile, about the time the tile takes to arrive at an
-SM's share of HBM bandwidth: the kernel is no longer bound by bytes alone, and overlapping one program's
+17-128 rows (the full forward's row blocks ran at 0.89-0.97x GR at 64 and 128 rows, same source). At 128 rows one
+(sequence, head) needs ~2 MFLOP of wgmma and 4096 MUFU tanh per 16 KB K/V tile, about the time the tile takes to
+arrive at an SM's share of HBM bandwidth: the kernel is not bound by bytes alone, and overlapping one program's
 silu with another's wgmma (several programs per SM) decides. Two switches cut registers so more fit:
 ``Q_SMEM`` (rows before a sequence's start masked in the load, not by ``tl.where``: q then feeds wgmma from
 shared memory; 162 -> 148 registers at 64 rows) and ``TMA`` (K/V by device-side descriptors: no per-thread
-addresses; 120 registers). Candidates and their occupancy: ``delta_plans.CANDIDATES``; prediction: GPU_TODO.md.
+addresses; 120 registers). Candidates and their occupancy: ``delta_plans.CANDIDATES``.
 
 The key ranges, the element-wise mask and the silu are the full forward's own jit helpers, so every
 mask option of cached attention means the same here.
@@ -283,8 +282,8 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
                   tma=None) -> torch.Tensor:
     """Cached attention (:func:`hstu_inductor.kernels.attention.delta_hstu_attention_fwd`'s contract) with this
     kernel. ``plan`` (a ``delta_plans.Plan``), ``split`` and ``config`` ((BLOCK_N, stages, warps)) override the
-    automatic choices (tests, benchmarks); ``fold=False`` sums the partials in a second launch (the previous
-    design, kept for side-by-side benchmarks)."""
+    automatic choices (tests, benchmarks); ``fold=False`` sums the partials in a second launch (for
+    side-by-side benchmarks)."""
     A._check_inputs(delta_q, k, v, seq_offsets, num_targets)
     seq_offsets = address_source(seq_offsets)
     B = seq_offsets.shape[0] - 1

@@ -1,5 +1,5 @@
 """Cached launches of compiled (Gluon) kernels: ``kernel[grid](*args, **meta)`` without ``JITFunction.run`` on
-repeat calls (issue 22 item 5: the Gluon forward's host function cost 98-164 us on the H100).
+repeat calls (the Gluon forward's host function cost 98-164 us on the H100; benchmarks/RESULTS.md, 2026-11-24).
 
 The first call for a specialisation goes through ``kernel[grid]`` (compiles, fills Triton's cache) and keeps the
 ``CompiledKernel`` under a key computed here; later calls with the same key call its launcher directly. What is

@@ -1,4 +1,4 @@
-"""Warp-specialised Hopper (sm90) forward of jagged HSTU attention, written in Gluon (issue 22, item 1).
+"""Warp-specialised Hopper (sm90) forward of jagged HSTU attention, written in Gluon.
 
 Math (HSTU_SEMANTICS.md): ``out_i = (1/N) * sum_j valid(i, j) * silu(alpha * <q_i, k_j>) * v_j`` per head,
 causal, optionally with targets (a target row sees every history row and itself). The same function as

@@ -1,4 +1,4 @@
-"""Warp-specialised Hopper (sm90) backward of jagged HSTU attention, written in Gluon (issue 22, item 1).
+"""Warp-specialised Hopper (sm90) backward of jagged HSTU attention, written in Gluon.
 
 Gradients of ``out_i = (1/N) sum_j valid(i, j) silu(alpha <q_i, k_j>) v_j`` (causal, optional targets, D = 128,
 16-bit inputs; the scope of ``gluon_attention.gluon_forward``). HSTU has no softmax, so there are no row statistics

@@ -41,7 +41,7 @@ def ones_column_width(C: int) -> int:
     64 is 0, so that ``grad^T @ operand`` also yields the bias gradient ``grad.sum(0)`` as its column C (one
     GEMM instead of the GEMM plus a pass over ``grad``; ``reference.stu.linear_param_grads``). Rounded to 64
     columns: the forward GEMM reads the ``[:, :C]`` view with that row stride (H100, L=62k, C=512: 208 us at
-    stride 576 against 206 at 512, 217 at 520; benchmarks/bias_grad_gemm.py, RESULTS.md session 13)."""
+    stride 576 against 206 at 512, 217 at 520; benchmarks/bias_grad_gemm.py, RESULTS.md 2026-11-24)."""
     return -(-(int(C) + 1) // ONES_BLOCK) * ONES_BLOCK
 
 

@@ -216,7 +216,7 @@ def stu_output_fwd(attn, u, x, norm_weight, norm_bias, eps, groups, weight, bias
     """``(x + drop(y) @ weight^T (+ bias), y, mean, rstd)``: the bias in the matmul's epilogue, the residual
     added after it. (With the residual as addmm's C input, addmm first copies x into its output, and the bias
     took one more pass: 165 us against 129 us for these two kernels at L=62k, E=512 on H100, RESULTS.md
-    session 12; under Inductor the add is one fused pointwise kernel.) With a bias, ``y`` carries a ones
+    2026-11-24; under Inductor the add is one fused pointwise kernel.) With a bias, ``y`` carries a ones
     column, so that the backward's weight-gradient GEMM also gives the bias gradient."""
     y, mean, rstd = output_y(attn, u, norm_weight, norm_bias, eps, groups, concat_ua, dropout_p, seed, silu_u,
                              ones_column=bias is not None)

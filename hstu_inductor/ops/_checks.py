@@ -11,7 +11,7 @@ a ``RuntimeError`` with our message; Triton on CUDA: ``tl.device_assert``) and A
 * ``"auto"`` (default): CPU checks synchronously with messages naming the problem (eager: with the
   offending values); CUDA uses one device-side assert per call, so the hot path has no host sync.
   A plain eager CUDA call does all checks in one Triton launch (``kernels/checks.py``) instead of the
-  ~15 ATen ops below, which cost ~0.1 ms of host time per call (issue 22); traced code keeps the ATen
+  ~15 ATen ops below, which cost ~0.1 ms of host time per call; traced code keeps the ATen
   spelling, which Inductor fuses and AOTI packages keep.
 * ``"always"``: the synchronous, named checks on CUDA too (one device-to-host copy per call).
 * ``"off"``: no value checks (the kernels stay memory-safe; results for invalid inputs are unspecified).

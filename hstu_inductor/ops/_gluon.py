@@ -160,7 +160,7 @@ def forward(how: str, q, k, v, seq_offsets, max_seq_len, alpha, num_targets):
 
 # The opaque ops are registered with ``torch.library.Library`` rather than ``custom_op``: a compiled graph calls
 # them once per step from Inductor's Python wrapper, and custom_op's Python dispatch layers (autograd wrapper,
-# redispatch, output-alias checks) cost tens of microseconds per call (benchmarks/RESULTS.md, session 11). Their
+# redispatch, output-alias checks) cost tens of microseconds per call (benchmarks/RESULTS.md, 2026-11-24, H100). Their
 # inputs never require grad there (the graphs run below autograd), so they have no autograd formula.
 _LIB = torch.library.Library("hstu", "FRAGMENT")
 _LIB.define("_gluon_fwd(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, SymInt max_seq_len, float alpha, "

@@ -72,7 +72,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 def _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, w, c, f, causal) -> bool:
     """True when a plain eager call passes every shape/dtype/device check of ``validate_attention_inputs``
     (no rab/intervals), as plain Python compares: its ~25 ``torch._check`` calls cost ~20 us of host time
-    per call (issue 22). False (or traced, where the checks must stay ``torch._check``): the validators
+    per call. False (or traced, where the checks must stay ``torch._check``): the validators
     run and name the problem."""
     if not plain_eager(q, k, v, seq_offsets, num_targets, attn_scale):
         return False
@@ -134,7 +134,7 @@ def _has_tables(pos_w, ts_w) -> bool:
 
 
 def _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds=None) -> dict:
-    """Kernel keywords; none at all without a bias or intervals (the launch is today's)."""
+    """Kernel keywords; none at all without a bias or intervals (the launch is then the bias-free one)."""
     kw = {}
     if rab is not None or intervals is not None:
         kw.update(rab=rab, intervals=intervals)

@@ -99,7 +99,7 @@ class Sample:
     @property
     def expected_hstu(self) -> bool:
         """True: must be rewritten. False: a near miss, must not be rewritten. A learned bias inside
-        the silu is HSTU with a relative attention bias (``hstu.attention(rab=...)``, issue 21)."""
+        the silu is HSTU with a relative attention bias (``hstu.attention(rab=...)``)."""
         return self.mutation in (None, "bias_in_silu")
 
     @property
