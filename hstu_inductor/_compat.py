@@ -613,3 +613,36 @@ def _exact_eval(orig_eval, rounding):
 
     eval._hstu_exact = True
     return eval
+
+
+# --------------------------------------------------------------------------------------------
+# torch._logging: our logger under a short name (``set_logs(modules={"hstu": ...})``), and our reports as
+# structured-trace artifacts (TORCH_TRACE, read by tlparse).
+
+def register_torch_log(alias: str, qname: str) -> str | None:
+    """Make ``alias`` a ``torch._logging`` name for the logger ``qname`` (``set_logs(modules={alias: level})``,
+    ``TORCH_LOGS``). Idempotent. None, or why not registered."""
+    try:
+        from torch._logging._internal import log_registry, register_log
+    except ImportError as e:
+        return f"torch._logging.register_log missing in torch {torch.__version__} ({e})"
+    known = getattr(log_registry, "log_alias_to_log_qnames", {}).get(alias)
+    if known is not None:
+        # a name torch or another package already owns is left to it
+        return None if qname in known else f"{alias!r} already names {known} in torch._logging"
+    register_log(alias, qname)
+    return None
+
+
+def trace_json_artifact(name: str, payload_fn) -> None:
+    """Emit ``payload_fn()`` as the JSON artifact ``name`` of the structured trace (``TORCH_TRACE``;
+    tlparse lists it under the compile id current at the call, i.e. per Dynamo frame). Without a
+    trace handler torch returns before calling either function (a check of the trace logger's handlers).
+    Indented JSON: the trace file keeps each payload line short."""
+    import json
+
+    trace_structured = getattr(torch._logging, "trace_structured", None)
+    if trace_structured is None:
+        return
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "json"},
+                     payload_fn=lambda: json.dumps(payload_fn(), default=str, indent=1))

@@ -128,6 +128,19 @@ class RewriteReport:
             lines += [f"    {what}: {n}" for what, n in sorted(self.lowered.items())]
         return "\n".join(lines)
 
+    def as_dict(self) -> dict:
+        """The decisions as plain JSON data (the structured-trace artifact ``hstu_rewrites``)."""
+        return {
+            "graphs": self.graphs,
+            "counts": dict(self.counts),
+            "rewrites": [{"kind": kind, "what": what} for kind, what in self.details],
+            "near_misses": [{"kind": kind, "reason": reason} for kind, reason in self.near_misses],
+            "fallbacks": [dataclasses.asdict(f) for f in self.fallbacks],
+            "cost_rule": list(self.cost_rule),
+            "proofs": [{"kind": kind, "node": node, "seconds": seconds} for kind, node, seconds in self.proofs],
+            "lowered": dict(self.lowered),
+        }
+
     def merge(self, other: "RewriteReport") -> None:
         for k, v in other.counts.items():
             self.counts[k] = self.counts.get(k, 0) + v
@@ -187,7 +200,8 @@ def staged():
 
 def publish(report: RewriteReport) -> None:
     """Hand one graph's report to the current stage (a backend compile still under way), or else to
-    every active collector, and log it."""
+    every active collector, log it (INFO: ``TORCH_LOGS="hstu_inductor"``, ``set_logs(modules={"hstu": logging.INFO})``)
+    and emit it as the structured-trace artifact ``hstu_rewrites`` (``TORCH_TRACE``; docs/debugging.md)."""
     if _stages():
         _stages()[-1].merge(report)
         return
@@ -195,3 +209,7 @@ def publish(report: RewriteReport) -> None:
         collector.merge(report)
     if any(report.counts.values()) or report.near_misses or report.fallbacks:
         log.info("%s", report)
+    from . import _compat
+
+    # also when nothing was found: tlparse then shows that our backend saw the frame
+    _compat.trace_json_artifact("hstu_rewrites", report.as_dict)
