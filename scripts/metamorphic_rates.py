@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     if args.tables_from:
         return _tables_only(args)
     from hstu_inductor.testing.metamorphic import MODES, grammar_case, run
-    from hstu_inductor.testing.grammar_run import start_measurement
+    from hstu_inductor.testing.grammar_run import start_measurement, write_tables
 
     modes = start_measurement(p, args.modes, MODES, logging.ERROR)
     models = {m.strip() for m in args.models.split(",") if m.strip()}
@@ -306,9 +306,7 @@ def main(argv=None) -> int:
     md = (f"# Metamorphic rates\n\n`{' '.join(sys.argv)}`: {len(cases)} cases x {len(vs)} variants x "
           f"{len(modes)} modes, {time.time() - start:.0f} s in all.\n\nVariants: "
           + ", ".join(f"`{n}`" for n in names) + "\n\n" + tables(records, modes, names))
-    out.with_suffix(".md").write_text(md)
-    log.info("wrote %s and %s", out.with_suffix(".json"), out.with_suffix(".md"))
-    print(md)
+    write_tables(out, md)
     return 0
 
 

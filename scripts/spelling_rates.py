@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--grads-every", type=int, default=10, help="gradient check on every k-th compile sample")
     args = p.parse_args(argv)
     from hstu_inductor.testing.grammar_run import MODES, run
-    from hstu_inductor.testing.grammar_run import start_measurement
+    from hstu_inductor.testing.grammar_run import start_measurement, write_tables
 
     modes = start_measurement(p, args.modes, MODES)
     out = pathlib.Path(args.out)
@@ -137,9 +137,7 @@ def main(argv=None) -> int:
         out.with_suffix(".json").write_text(json.dumps(records, indent=1, default=str))
     md = (f"# Spelling grammar rates\n\n`{' '.join(sys.argv)}`: {args.n} samples per mode, seeds "
           f"{args.seed}..{args.seed + args.n - 1}, {time.time() - start:.0f} s in all.\n\n" + tables(records, modes))
-    out.with_suffix(".md").write_text(md)
-    log.info("wrote %s and %s", out.with_suffix(".json"), out.with_suffix(".md"))
-    print(md)
+    write_tables(out, md)
     return 0
 
 

@@ -174,7 +174,6 @@ HEAVY = (
     "tests/distributed/test_ddp.py",
     "tests/distributed/test_ddp_python_reducer.py",
     "tests/distributed/test_fsdp.py",
-    "tests/distributed/test_fsdp_root.py",
     "tests/patterns/test_production_sizes.py::test_public_style_stacks",
     "tests/patterns/test_production_sizes.py::test_real_compile_b16_n2048_equal_to_eager",
     "tests/patterns/test_attention_dynamic_true.py::test_dynamic_true_rewritten_and_equal",

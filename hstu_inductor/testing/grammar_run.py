@@ -145,7 +145,7 @@ def _fake(s: Sample, mode: str, rec: Record):
         inputs = s.inputs(B, N, H, D, lengths=lengths, seed=s.seed)
     if _uses_nested(s):
         rec.path = "compile"
-        return _fake_compiled(model, inputs, mode, fake_mode)
+        return fake_compiled(model, inputs, mode, fake_mode)
     rec.path = "export"
     with fake_mode:
         shapes = _dynamic_shapes(s, inputs) if mode == "fake_auto" else None
@@ -161,11 +161,12 @@ def _uses_nested(s: Sample) -> bool:
     return "nested" in s.choices.values()
 
 
-def _fake_compiled(model, inputs, mode: str, fake_mode):
-    """``torch.export`` refuses nested tensors (``nested_tensor_from_jagged`` under its tracer), so
-    models that build them are measured the way their users run them: ``torch.compile`` (backend
-    ``hstu_eager``), called on the fake inputs inside their fake mode; ``fake_auto`` marks the
-    batch/row dims dynamic (``maybe_mark_dynamic``, as ``Dim.AUTO``)."""
+def fake_compiled(model, inputs, mode: str, fake_mode, backend_fn="hstu_eager"):
+    """``torch.compile`` with ``backend_fn`` called on the fake inputs inside their fake mode (the
+    report of the compile); ``fake_auto`` marks the batch/row dims dynamic (``maybe_mark_dynamic``, as
+    ``Dim.AUTO``). Used where ``torch.export`` cannot be: it refuses nested tensors
+    (``nested_tensor_from_jagged`` under its tracer), so such models are measured the way their users
+    run them."""
     torch._dynamo.reset()
     backend.register()
     if mode == "fake_auto":
@@ -174,7 +175,7 @@ def _fake_compiled(model, inputs, mode: str, fake_mode):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
     with collecting() as report, fake_mode, torch.no_grad():
         try:
-            torch.compile(model, backend="hstu_eager", dynamic=None if mode == "fake_auto" else False)(*inputs)
+            torch.compile(model, backend=backend_fn, dynamic=None if mode == "fake_auto" else False)(*inputs)
         except DynamicOutputShapeException:
             # running the compiled graph: a data-dependent op (kept in the graph) on fake tensors of a
             # mode without a shape env has no output size. Compiling (and rewriting) is done by then;
@@ -271,3 +272,10 @@ def start_measurement(parser, modes: str, known, level=logging.WARNING) -> list:
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; known: {sorted(known)}")
     return out
+
+
+def write_tables(out, md: str) -> None:
+    """``OUT.md`` of a measuring script, logged and printed (``OUT.json`` is written as it goes)."""
+    out.with_suffix(".md").write_text(md)
+    logging.getLogger(__name__).info("wrote %s and %s", out.with_suffix(".json"), out.with_suffix(".md"))
+    print(md)

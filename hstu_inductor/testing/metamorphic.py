@@ -56,7 +56,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
-from torch._subclasses.fake_tensor import (DynamicOutputShapeException, FakeTensor, FakeTensorMode,
+from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorMode,
                                            unset_fake_temporarily)
 
 from .. import _compat, backend
@@ -1277,7 +1277,7 @@ def _compiled(case: Case, mode: str, meta: Metamorphic, rec: Record, grads: bool
 
 def _fake(case: Case, mode: str, meta: Metamorphic, sizes: dict):
     """Production sizes under ``FakeTensorMode``: ``torch.compile`` with the wrapper called on fake
-    inputs inside the fake mode (as ``grammar_run._fake_compiled``); ``fake_auto`` marks the
+    inputs inside the fake mode (``grammar_run.fake_compiled``); ``fake_auto`` marks the
     batch/row dims dynamic (``maybe_mark_dynamic``, as ``Dim.AUTO``)."""
     B, N, H, D = sizes["B"], sizes["N"], sizes["H"], sizes["D"]
     with FakeTensorMode() as fake_mode:
@@ -1286,18 +1286,7 @@ def _fake(case: Case, mode: str, meta: Metamorphic, sizes: dict):
         lengths = _lengths(case, B, N, case.seed, L=B * N - 3 * N // 2) if B > 1 \
             else [grammar_run.one_length(N, case.seed)]
         inputs = case.inputs(B, N, H, D, lengths, case.seed)
-    torch._dynamo.reset()
-    backend.register()
-    if mode == "fake_auto":
-        for t in inputs:
-            if t.dim():
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-    with collecting() as report, fake_mode, torch.no_grad():
-        try:
-            torch.compile(model, backend=meta, dynamic=None if mode == "fake_auto" else False)(*inputs)
-        except DynamicOutputShapeException:
-            pass  # running a data-dependent op on fake tensors without a shape env: compiled by then
-    return report
+    return grammar_run.fake_compiled(model, inputs, mode, fake_mode, backend_fn=meta)
 
 
 def run(case, transforms=(), mode: str = "compile_static", grads: bool = False, seed: int | None = None) -> Record:
