@@ -472,8 +472,9 @@ def prove_chain(gm, plan, sub, ch=None):
     sample = _Sample(_SAMPLES, gen)
     srow_app = None
     if ch.scale_fn is not None:
+        # canonical like every element read (a batch of one: off(0) = 0)
         srow_app = ch.scale_fn if isinstance(ch.scale_fn, sympy.Symbol) else \
-            ch.scale_fn(off(ch.b) + ch.i)
+            ch.dom.canon(ch.scale_fn(off(ch.b) + ch.i))
     results = {}  # combo index -> (cond, [per-binding class])
     chosen = None
     beta = None
@@ -801,12 +802,12 @@ def prove_row_scale(plan, sub, m, scale_leaf) -> None:
         ch = _RowAxes(dom, plan)
         pos = ch.position(m.layout)
         rows = [sympy.Lt(ch.i, dom.length(ch.b))]
-        srow = None if s_fn is None else s_fn if isinstance(s_fn, sympy.Symbol) else s_fn(off(ch.b) + ch.i)
+        srow = None if s_fn is None else s_fn if isinstance(s_fn, sympy.Symbol) else dom.canon(s_fn(off(ch.b) + ch.i))
     else:  # after the unpad: jagged row r
         b, p, r = dom.row("s")
         pos = (r,) + tuple(dom.coord("e", s) for s in shape[1:])
         rows = []
-        srow = None if s_fn is None else s_fn if isinstance(s_fn, sympy.Symbol) else s_fn(r)
+        srow = None if s_fn is None else s_fn if isinstance(s_fn, sympy.Symbol) else dom.canon(s_fn(r))
     fac = E.at(m.factor, E.broadcast(m.factor, pos))
     eff = 1 / num(fac) if m.div else num(fac)
     pieces = [(c, v) for c, v in cases(eff) if _sat(dom, sympy.And(c, *rows))]

@@ -101,6 +101,8 @@ SAMPLE = [
     (2032, "compile_static"),  # window + targets: two mask parameter sets fit probe 0, later probes decide
     (15, "compile_static"),  # repeat_interleave without output_size: kept in the graph for our frames
     (2012, "fake_static"),  # nested tensors (torch.export refuses them): compiled under fake tensors
+    (10010, "compile_one"),  # a batch of one: bucketize over offsets[1:] = [L] is still the row's sequence
+    (10019, "compile_one"),  # a batch of one: the per-row attn_scale read at off(0) + i = i
 ]
 GRADS = {(34, "compile_static")}
 

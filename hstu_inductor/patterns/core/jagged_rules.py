@@ -41,13 +41,13 @@ def _offset_form(E, e, k):
         c = sympy.expand(e.args[0] - k)
         if c.is_Integer:
             return int(c)
-    if e.is_Integer and e == 0 or isinstance(e, sympy.Piecewise):
-        # cat([0], cumsum(lengths)) and friends: equal to off(k + c) for some c? decide it
-        cands = {int(sympy.expand(a.args[0] - k)) for a in e.atoms(off) if sympy.expand(a.args[0] - k).is_Integer}
-        for c in sorted(cands) or [0]:
-            ok, _ = equal(E.dom, e, off(k + c))
-            if ok:
-                return c
+    # cat([0], cumsum(lengths)) and friends, or a batch of one, where off(k + 1) is the total length L:
+    # equal to off(k + c) for some c? decide it
+    cands = {int(sympy.expand(a.args[0] - k)) for a in e.atoms(off) if sympy.expand(a.args[0] - k).is_Integer}
+    for c in sorted(cands) or [0, 1]:
+        ok, _ = equal(E.dom, e, off(k + c))
+        if ok:
+            return c
     return None
 
 
