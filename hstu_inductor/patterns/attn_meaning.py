@@ -575,6 +575,21 @@ def _tables(plan, ch) -> None:
     attn_tables.finish(checks, plan)
 
 
+def _at_the_row(dom, v, srow, assume):
+    """``v`` with each read of the scale at an index equal to the row's under ``assume`` (decided)
+    replaced by ``srow``: a gather pad reads it at ``min(off(b) + i, L - 1)``, which is the row on
+    every in-sequence position."""
+    if isinstance(srow, sympy.Symbol) or not isinstance(v, sympy.Basic):
+        return v
+    reps = {}
+    for a in v.atoms(sympy.Function):
+        if a.func == srow.func and a != srow and len(a.args) == len(srow.args):
+            same = sympy.And(*[sympy.Eq(x, y) for x, y in zip(a.args, srow.args)])
+            if decide.valid(dom, same, assume)[0] is True:
+                reps[a] = srow
+    return v.xreplace(reps) if reps else v
+
+
 def _is_row_scale(apps, srow_app) -> bool:
     if len(apps) != 1:
         return False
@@ -815,6 +830,8 @@ def prove_row_scale(plan, sub, m, scale_leaf) -> None:
         return
     ratios = set()
     for c, v in pieces:
+        if srow is not None and m.power:
+            v = _at_the_row(dom, v, srow, [c, *rows])
         q = sympy.simplify(v / srow) if (srow is not None and m.power) else sympy.simplify(v)
         if q.free_symbols or q.has(sympy.Function) or not q.is_number:
             raise Decline(f"{m.node.name} does not scale each query row by "

@@ -103,6 +103,7 @@ SAMPLE = [
     (2012, "fake_static"),  # nested tensors (torch.export refuses them): compiled under fake tensors
     (10010, "compile_one"),  # a batch of one: bucketize over offsets[1:] = [L] is still the row's sequence
     (10019, "compile_one"),  # a batch of one: the per-row attn_scale read at off(0) + i = i
+    (11006, "compile_static"),  # a row scale gathered at min(off(b) + i, L - 1): the row itself in-sequence
 ]
 GRADS = {(34, "compile_static")}
 
