@@ -494,12 +494,16 @@ def prove_chain(gm, plan, sub, ch=None):
             r = results[key]
             if r is None:
                 continue
+            if r["inseq"] and srow_app is not None:
+                if "at_row" not in r:  # the scale gathered at an index that is the row in-sequence
+                    r["at_row"] = [(c, _at_the_row(ch.dom, v, srow_app, [cond, *in_seq])) for c, v in combo]
+                combo = r["at_row"]
             values = {k: _concrete(v, binding, sample, ch, padding=not r["inseq"]) for k, (_, v) in zip(keys, combo)}
             g = _evaluate(ch, data, values, binding, sample)
             if not bool(torch.isfinite(g).all()):
                 raise Decline("scores are not finite on some positions (e.g. -inf masking before the silu)")
             apps = {a for _, v in combo if isinstance(v, sympy.Basic) for a in _scale_apps(v, ch)}
-            if apps and not _is_row_scale(apps, srow_app):
+            if apps and r["inseq"] and not _is_row_scale(apps, srow_app):
                 raise Decline(f"scores are not scale * silu(alpha * qk) with the query row's attn_scale: they are "
                               f"scaled by {', '.join(map(str, apps))}")
             srow = sample.leaf(srow_app) if apps else None

@@ -104,6 +104,7 @@ SAMPLE = [
     (10010, "compile_one"),  # a batch of one: bucketize over offsets[1:] = [L] is still the row's sequence
     (10019, "compile_one"),  # a batch of one: the per-row attn_scale read at off(0) + i = i
     (11006, "compile_static"),  # a row scale gathered at min(off(b) + i, L - 1): the row itself in-sequence
+    (12002, "compile_dynamic"),  # the same clamp inside the score chain (scale before p @ v)
 ]
 GRADS = {(34, "compile_static")}
 
