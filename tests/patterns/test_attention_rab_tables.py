@@ -197,8 +197,14 @@ RECOGNISED = {  # spelling -> (tables expected in the report, a dense rab term e
 }
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("spelling", list(RECOGNISED))
+# every spelling static and under dynamic=True; `make test` runs each in one of the two (alternating),
+# `-m slow` the other
+PATH_B = [pytest.param(sp, dyn, id=f"{sp}-{'dynamic' if dyn else 'static'}",
+                       marks=[pytest.mark.slow] if (k + dyn) % 2 else [])
+          for k, sp in enumerate(RECOGNISED) for dyn in (False, True)]
+
+
+@pytest.mark.parametrize("spelling,dynamic", PATH_B)
 def test_tables_to_path_b_training(spelling, dynamic, fresh_dynamo):
     """Rewritten with the tables (no dense rab); outputs and gradients of q, k, v and both tables equal eager."""
     details = _check(TableBias(spelling, pos_len=2 * N + 3 if spelling in ("index_select", "position_only")
