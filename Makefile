@@ -19,9 +19,8 @@ train-rab: setup-examples
 test: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) $(PYTEST_ARGS)
 
-# Inner loop: everything but the tests marked ``heavy`` (see tests/conftest.py): 94 s on 2 cores
-# with a cold Inductor cache, 86 s warm. `make test` (CI) from a fresh clone: 413 s on 2 cores,
-# setup and cold cache included (README "Development").
+# Inner loop: everything but the tests marked ``heavy`` (see tests/conftest.py). `make test` (CI)
+# from a fresh clone, setup and cold cache included: README "Development".
 test-fast: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) -m "not slow and not gpu and not heavy"
 
