@@ -264,8 +264,8 @@ def test_index_maps_that_are_not_the_pad(model):
 
 
 def test_constant_tables_read_in_closed_form():
-    """An ``arange`` with unit dims is affine, a causal buffer is a band, a small table otherwise one
-    case per distinct value; each equals the tensor at every position."""
+    """An ``arange`` with unit dims is affine, a causal buffer is a band (also as ``[1, 1, N, N]``), a
+    small table otherwise one case per distinct value; each equals the tensor at every position."""
     from hstu_inductor.patterns.core.tables import table_element
 
     i, j = sympy.symbols("i j", integer=True)
@@ -274,6 +274,7 @@ def test_constant_tables_read_in_closed_form():
     causal = torch.triu(torch.ones(12, 12), 1)
     small = torch.randint(-4, 5, (3, 5), generator=g)
     assert table_element(pos, (0, i), "pos") == 3 * i + 5
+    assert table_element(causal[None, None], (0, 0, i, j), "causal4d") == table_element(causal, (i, j), "causal")
     for t, name in ((causal, "causal"), (small, "small")):
         e = table_element(t, (i, j), name)
         assert not e.has(sympy.Piecewise) or len(e.atoms(sympy.Piecewise)) == 1  # one flat case split

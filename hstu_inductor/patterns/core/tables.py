@@ -55,6 +55,10 @@ def table_element(t: torch.Tensor, idx, name: str):
 
 
 def _closed_form(t: torch.Tensor, name: str):
+    keep = [d for d in range(t.dim()) if t.shape[d] != 1]
+    if 0 < len(keep) < t.dim():  # unit dims (a [1, 1, N, N] mask buffer) are read at index 0 only
+        inner = _closed_form(t.reshape([t.shape[d] for d in keep]), name)
+        return None if inner is None else lambda idx, select: inner(tuple(idx[d] for d in keep), select)
     # the closed forms first: a small arange read as a 16-way Piecewise makes every later step slow
     form = _affine(t)
     if form is None and t.dim() == 2:
