@@ -90,13 +90,12 @@ def _small(t: torch.Tensor):
 
 
 def _affine(t: torch.Tensor):
-    """``c + sum_k a_k * x_k`` (an ``arange``, also with unit dims: ``arange(N)[None]``)."""
+    """``c + sum_k a_k * x_k`` (an ``arange``; unit dims were dropped by ``_closed_form``)."""
     if t.dtype == torch.bool or t.dim() == 0 or t.numel() < 2:
         return None
     origin = (0,) * t.dim()
     c = t[origin].item()
-    steps = [(t[tuple(1 if k == d else 0 for k in range(t.dim()))] - t[origin]).item() if t.shape[d] > 1 else 0
-             for d in range(t.dim())]
+    steps = [(t[tuple(1 if k == d else 0 for k in range(t.dim()))] - t[origin]).item() for d in range(t.dim())]
     want = torch.full(t.shape, float(c), dtype=torch.float64)
     for d, a in enumerate(steps):
         shape = [1] * t.dim()
