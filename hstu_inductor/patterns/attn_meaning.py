@@ -688,16 +688,15 @@ class _CounterexampleFilter:
         if self.seen != len(self.eq.models):
             self.seen = len(self.eq.models)
             same, i, j, n, t = self.ch.mask_args()
-            exprs = [e for e in (same, i, j, n, t) if e is not None]
+            exprs = [same, i, j, n] + ([t] if t is not None else [])
             pts = [(v, want) for v, want in self.eq.points(exprs) if v[1] < v[3] and v[2] < v[3]]
             self.cols = None
             if pts:
-                cols = torch.tensor([list(map(int, v)) + [int(want)] for v, want in pts])
-                self.cols = cols.unbind(1)
+                cols = torch.tensor([list(map(int, v)) + [int(want)] for v, want in pts]).unbind(1)
+                self.cols = (*cols[:4], cols[4] if t is not None else None, cols[-1])
         if self.cols is None:
             return False
-        same, i, j, n, *rest = self.cols
-        t, want = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+        same, i, j, n, t, want = self.cols
         causal, w, c, f = params
         got = same.bool() & valid_at(torch.arange(len(i)), i, j, n, t, w, c, f, causal)
         return not torch.equal(got, want.bool())
