@@ -22,6 +22,7 @@ import torch
 
 from .. import _compat, config
 from . import attn_layout as lay
+from . import constants
 from .prover import Decline, TooLarge, closure, is_static, sym_expr
 from .sizes import SIZE_READS
 
@@ -490,7 +491,8 @@ def jagged_descriptor(q) -> torch.fx.Node:
     """The single 1-D integer input of the q pad: ``offsets [B+1]`` or per-sequence ``lengths [B]``
     (the model derives offsets itself; which one is decided by ``attn_prove.prove``)."""
     order, leaves = closure([q.D], {q.src})
-    ints = [x for x in leaves if is_int_tensor(x)]
+    # module state (an ``arange`` buffer of positions) is a constant the provers read by value
+    ints = [x for x in leaves if is_int_tensor(x) and constants.value(x) is None]
     if len(ints) != 1 or meta_val(ints[0]).dim() != 1:
         raise Decline(f"pad of {q.src.name} does not depend on exactly one 1-D integer input (offsets or lengths)")
     return ints[0]

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import sympy
 import torch
 
+from .core.values import exact_divisions
 from .prover import substitute
 
 aten = torch.ops.aten
@@ -52,7 +53,7 @@ def canonical(fn: Callable):
 
 def to_expr(x) -> sympy.Expr:
     if isinstance(x, torch.SymInt):
-        e = x.node.expr
+        e = exact_divisions(x.node.expr)
     elif isinstance(x, (int, bool)):
         e = sympy.Integer(int(x))
     elif isinstance(x, sympy.Expr):

@@ -29,7 +29,7 @@ import random
 
 import torch
 
-from . import attn_bias, attn_intervals, attn_tables
+from . import attn_bias, attn_intervals, attn_tables, constants
 from . import attn_layout as lay
 from .attn_find import (
     PadMismatch, find_operand, jagged_descriptor, looks_like_lengths, meta_val, retry_sources,
@@ -48,7 +48,8 @@ aten = torch.ops.aten
 def check_leaves(leaves, allowed, what):
     """Decline unless the subgraph ``what`` reads only ``allowed`` inputs (plus constants and sizes)."""
     for leaf in leaves:
-        if leaf in allowed or leaf.op == "get_attr" or isinstance(meta_val(leaf), (torch.SymInt, int)):
+        if leaf in allowed or leaf.op == "get_attr" or isinstance(meta_val(leaf), (torch.SymInt, int)) \
+                or constants.value(leaf) is not None:  # module state: ``evaluate`` reads its value
             continue
         raise Decline(f"{what} depends on input {leaf.name} (data we do not model)")
 
@@ -305,6 +306,8 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
     rng = random.Random(99)
     gen = torch.Generator().manual_seed(4321)
     alphas = sorted({1.0} | {c for c in floats if c != 0} | {1.0 / c for c in floats if c != 0})
+    if plan.alpha != 1.0:  # cross-checking a value-level proof: its alpha may be computed by nodes
+        alphas = [plan.alpha] + [a for a in alphas if a != plan.alpha]
     # absolute values: a window spelled ``ones.tril().triu(-w)`` carries it as the diagonal -w
     mask_ints = {abs(i) for i in ints if 0 < abs(i) <= max(Nv for Nv, _ in probes) + 1}
     chosen = None

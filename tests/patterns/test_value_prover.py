@@ -116,6 +116,28 @@ class Packed(_Layer):
         return ((F.silu(s) * m / N) @ vh).transpose(0, 1).reshape(L, H * D)
 
 
+class BufferPositions(_Layer):
+    """Positions kept as a module buffer and read by the pad (a gather at ``offsets[b] + pos[n]``, zeroed
+    past each length) and by the causal mask. Near miss: the buffer ``arange(N).clamp(min=1)`` (slot 0
+    reads a sequence's second row)."""
+
+    def __init__(self, variant="hstu"):
+        super().__init__(variant)
+        pos = torch.arange(N)
+        self.register_buffer("pos", pos.clamp(min=1) if variant == "clamped" else pos)
+
+    def attend(self, q, k, v, offsets):
+        L = q.shape[0]
+        seg, at = self.rows(offsets, L)
+        valid = (self.pos[None, :] < (offsets[1:] - offsets[:-1])[:, None])[..., None]
+
+        def pad(t):
+            return (t[(offsets[:-1, None] + self.pos[None, :]).clamp(max=L - 1)] * valid).view(-1, N, H, D)
+        p = F.silu(torch.einsum("bnhd,bmhd->bhnm", pad(q), pad(k)) / D ** 0.5) / N
+        p = p * (self.pos[None, :] <= self.pos[:, None])
+        return torch.einsum("bhnm,bmhd->bnhd", p, pad(v))[seg, at].reshape(L, H * D)
+
+
 def _inputs(seed=0, requires_grad=True):
     g = torch.Generator().manual_seed(seed)
     offsets = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist())
@@ -139,7 +161,8 @@ def _check(model, dynamic, attention):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("cls,heads", [(Reassociated, 1), (BufferMask, 1), (HeadLoop, H), (Packed, 1)])
+@pytest.mark.parametrize("cls,heads", [(Reassociated, 1), (BufferMask, 1), (HeadLoop, H), (Packed, 1),
+                                       (BufferPositions, 1)])
 def test_rewritten_by_meaning(cls, heads, dynamic):
     _check(cls(), dynamic, heads)
 
@@ -150,7 +173,7 @@ def test_packed_window():
 
 
 @pytest.mark.parametrize("cls,variant", [(Reassociated, "off_by_one"), (HeadLoop, "off_by_one"),
-                                         (Packed, "cross_sequence")])
+                                         (Packed, "cross_sequence"), (BufferPositions, "clamped")])
 def test_near_misses_by_meaning(cls, variant):
     """Declined (the pad reads the next row; the mask lets a row see the next one; rows see other
     sequences), and still equal to eager."""
@@ -271,10 +294,14 @@ def test_constant_tables_read_in_closed_form():
     i, j = sympy.symbols("i j", integer=True)
     g = torch.Generator().manual_seed(3)
     pos = (torch.arange(16) * 3 + 5)[None]
+    ids = (torch.arange(16) - 2).clamp(min=0).clamp(max=11)  # a contextual prefix, a window: three pieces
     causal = torch.triu(torch.ones(12, 12), 1)
     small = torch.randint(-4, 5, (3, 5), generator=g)
     assert table_element(pos, (0, i), "pos") == 3 * i + 5
     assert table_element(causal[None, None], (0, 0, i, j), "causal4d") == table_element(causal, (i, j), "causal")
+    e = table_element(ids, (i,), "ids")
+    assert len(e.atoms(sympy.Piecewise)) <= 2 and not e.atoms(sympy.Eq)  # ranges, not a case per element
+    assert [int(e.subs(i, a)) for a in range(16)] == ids.tolist()
     for t, name in ((causal, "causal"), (small, "small")):
         e = table_element(t, (i, j), name)
         assert not e.has(sympy.Piecewise) or len(e.atoms(sympy.Piecewise)) == 1  # one flat case split

@@ -223,18 +223,31 @@ def _size_symbols(dom):
     return out
 
 
-def valid(dom: Domain, formula, assume=(), timeout_ms: int = 20000):
+#: z3's work per query, in its deterministic resource units (about 5 M a second on one core): a
+#: query past it is undecided on every machine alike, so a decision never depends on the load.
+RLIMIT = 30_000_000
+#: Wall-clock backstop only; ``RLIMIT`` binds first on any machine at least a tenth as fast.
+TIMEOUT_MS = 60_000
+
+
+def _solver():
+    s = z3.Solver()
+    s.set("rlimit", RLIMIT)
+    s.set("timeout", TIMEOUT_MS)
+    return s
+
+
+def valid(dom: Domain, formula, assume=()):
     """``(True, None)`` when ``formula`` holds under the facts of ``dom`` and ``assume``; else
     ``(False, model)`` with a counterexample (a dict of symbol name -> value), or ``(None, reason)``
-    when z3 could not decide it."""
+    when z3 could not decide it within ``RLIMIT``."""
     if z3 is None:
         raise Unsupported("z3-solver is not installed (pip install z3-solver): value-level proofs need it")
     tr = _Translator()
     goal = tr(formula)
     assumptions = [tr(a) for a in assume]
     facts = Facts(dom).formula(tr)  # after the goal: its applications get their facts too
-    s = z3.Solver()
-    s.set("timeout", timeout_ms)
+    s = _solver()
     s.add(facts, *assumptions, z3.Not(goal))
     r = s.check()
     if r == z3.unsat:
@@ -307,8 +320,7 @@ class Equivalence:
         for m in self.models:
             if z3.is_false(m.eval(same, model_completion=True)):
                 return False
-        s = z3.Solver()
-        s.set("timeout", 20000)
+        s = _solver()
         s.add(Facts(self.dom).formula(self.tr), *self.assume, z3.Not(same))
         r = s.check()
         if r == z3.sat:

@@ -7,6 +7,8 @@ need a closed form, found by an exhaustive comparison with the whole tensor (so 
 tensor, at its real size):
 
 * ``c + sum_k a_k * x_k`` (compared with ``arange`` along each dim);
+* 1-D in a few affine pieces over ranges of its index (``(arange(N) - c).clamp(min=0)``, ids of a
+  contextual prefix);
 * 2-D whose value depends on ``j - i`` only (constant along every diagonal): a ``Piecewise`` over the
   runs of equal values of ``j - i`` (a causal mask, a band, an upper triangle);
 * else, a tensor of at most ``_SMALL`` elements: a ``Piecewise`` over its elements.
@@ -61,6 +63,8 @@ def _closed_form(t: torch.Tensor, name: str):
         return None if inner is None else lambda idx, select: inner(tuple(idx[d] for d in keep), select)
     # the closed forms first: a small arange read as a 16-way Piecewise makes every later step slow
     form = _affine(t)
+    if form is None and t.dim() == 1:
+        form = _pieces(t)
     if form is None and t.dim() == 2:
         form = _band(t)
     if form is None and t.numel() <= _SMALL:
@@ -105,6 +109,38 @@ def _affine(t: torch.Tensor):
         return None
     coefs, cv = [_value(a) for a in steps], _value(c)
     return lambda idx, select: sum((a * x for a, x in zip(coefs, idx)), sympy.Integer(0)) + cv
+
+
+_PIECES = 4
+
+
+def _pieces(t: torch.Tensor):
+    """A 1-D table in at most ``_PIECES`` affine runs: ``Piecewise`` over index ranges (linear
+    conditions, which z3 decides at once, where a case per element would multiply)."""
+    if t.dtype == torch.bool or t.numel() < 3:
+        return None
+    v = t.to(torch.float64)
+    d = v[1:] - v[:-1]
+    runs, start = [], 0  # (first index, last index, value at first, step)
+    while start < t.numel():
+        end = start
+        step = d[start].item() if start < d.numel() else 0.0
+        while end + 1 < t.numel() and d[end].item() == step:
+            end += 1
+        runs.append((start, end, v[start].item(), step))
+        if len(runs) > _PIECES:
+            return None
+        start = end + 1
+    pieces = [(_value(c), _value(a), lo, hi) for lo, hi, c, a in runs]
+
+    def piecewise(idx, select):
+        x = idx[0]
+        c, a, lo, _ = pieces[-1]
+        out = c + a * (x - lo)
+        for c, a, lo, hi in reversed(pieces[:-1]):
+            out = select(sympy.Le(x, hi), c + a * (x - lo), out)
+        return out
+    return piecewise
 
 
 def _band(t: torch.Tensor):

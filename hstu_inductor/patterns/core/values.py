@@ -79,6 +79,28 @@ def select(c, a, b):
 
 
 
+def exact_divisions(e):
+    """``e`` with each of torch's floor divisions that divides exactly (``(N**2) // N``, left by a
+    view of a flattened ``[N, N]``) replaced by its polynomial quotient: the index arithmetic then
+    stays linear in the coordinates, which keeps z3's queries quick and their time predictable."""
+    if not isinstance(e, sympy.Basic) or not any(type(a).__name__ in _TORCH_DIVS for a in sympy.preorder_traversal(e)):
+        return e
+
+    def walk(x):
+        if not x.args:
+            return x
+        x = x.func(*[walk(a) for a in x.args])
+        if type(x).__name__ in _TORCH_DIVS:
+            q = sympy.cancel(x.args[0] / x.args[1])
+            if sympy.fraction(q)[1] == 1 and not q.is_number:
+                return q
+        return x
+    return walk(e)
+
+
+_TORCH_DIVS = ("FloorDiv", "CleanDiv")  # torch.utils._sympy.functions
+
+
 def size_expr(s):
     """A size as a sympy expression, with the shape environment's replacements applied (two symbols
     Dynamo proved equal, an unbacked size tied to a backed one, read as one)."""
@@ -90,7 +112,7 @@ def size_expr(s):
                 e = env.replace(e)
             except Exception:  # replacements are an optimisation of the reading, never required
                 pass
-        return sympy.sympify(e)
+        return exact_divisions(sympy.sympify(e))
     if isinstance(s, sympy.Basic):
         return s
     return sympy.Integer(int(s))
