@@ -301,10 +301,11 @@ def main():
     dtype = getattr(torch, args.dtype)
     H, Dq, Dv, B = args.heads, args.dq, args.dv, args.batch
     alpha = 1.0 / Dq
+    from hstu_inductor import config
     os.makedirs(args.out, exist_ok=True)
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}  torch {torch.__version__}  "
           f"triton {__import__('triton').__version__}  B={B} H={H} Dq={Dq} Dv={Dv} {args.dtype} layout={args.layout} "
-          f"tile order={os.environ.get('HSTU_INDUCTOR_TILE_ORDER', 'seq')}", flush=True)
+          f"tile order={config.tile_order}", flush=True)
     rows = []
     for N in args.n:
         q, k, v, off, nt, lengths = make_inputs(B, N, H, Dq, Dv, dtype, device, seed=N, layout=args.layout)
@@ -345,9 +346,8 @@ def main():
                             # against an independent dQ computation: the deterministic split kernels, or
                             # (for the deterministic provider itself) the atomic kernel
                             if prov == "triton_tma_det":
-                                os.environ["HSTU_INDUCTOR_BWD_ALGO"] = "atomic"
-                                other = build_provider("triton_ptr", N, alpha, nt)[1](q, k, v, off, dout)()
-                                os.environ.pop("HSTU_INDUCTOR_BWD_ALGO")
+                                with config.patch(bwd_algo="atomic"):
+                                    other = build_provider("triton_ptr", N, alpha, nt)[1](q, k, v, off, dout)()
                             else:
                                 if ref_grads is None:
                                     ref_grads = build_provider("triton_tma_det", N, alpha, nt)[1](

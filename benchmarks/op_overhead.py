@@ -142,15 +142,12 @@ def gluon_fn(q, k, v, off, N, nt, backward=False):
 
 
 def uncached(fn):
-    """``fn`` with the cached launch path of the Gluon kernels off (``fastlaunch.MODE``)."""
-    from hstu_inductor.kernels import fastlaunch
+    """``fn`` with the cached launch path of the Gluon kernels off (``config.fastlaunch``)."""
+    from hstu_inductor import config
 
     def call():
-        saved, fastlaunch.MODE = fastlaunch.MODE, "off"
-        try:
+        with config.patch(fastlaunch="off"):
             return fn()
-        finally:
-            fastlaunch.MODE = saved
     return call
 
 

@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import test_fastlaunch as T  # noqa: E402
-from hstu_inductor.kernels import fastlaunch as fl  # noqa: E402
+from hstu_inductor import config  # noqa: E402
 from hstu_inductor.kernels import gluon_attention as ga  # noqa: E402
 from hstu_inductor.kernels import gluon_backward as gb  # noqa: E402
 
@@ -57,7 +57,7 @@ def main():
     calls = {"forward": lambda: ga.gluon_forward(q, k, v, off, N, 0.1, nt, checked=True),
              "backward": lambda: gb.gluon_backward(g, q, k, v, off, N, 0.1, nt, checked=True)}
     for mode in ("off", "on", "off", "on"):
-        fl.MODE = mode
+        mp.setattr(config, "fastlaunch", mode)
         row = []
         for name, fn in calls.items():
             fn(), fn()

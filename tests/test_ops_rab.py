@@ -143,7 +143,10 @@ def test_rab_interval_input_errors():
 # ------------------------------------------------------------------------------------------------
 def _tables(which="pos+ts", seed=0, grad=True):
     g = torch.Generator().manual_seed(seed + 7)
-    ts = torch.randint(0, 10 ** 6, (sum(LENGTHS),), generator=g)
+    if "dense" in which:  # padded [B, N] timestamps, random padding (read at next(n_b - 1))
+        ts = torch.randint(0, 10 ** 6, (len(LENGTHS), N), generator=g)
+    else:
+        ts = torch.randint(0, 10 ** 6, (sum(LENGTHS),), generator=g)
     pos_w = torch.randn(2 * N - 1, generator=g, dtype=torch.float64, requires_grad=grad) if "pos" in which else None
     ts_w = torch.randn(9, generator=g, dtype=torch.float64, requires_grad=grad) if "ts" in which else None
     return (ts if ts_w is not None else None, pos_w, ts_w)
@@ -154,7 +157,7 @@ def _targs(shape=None, intervals=False, which="pos+ts", seed=0, grad=True):
 
 
 TABLE_CASES = {"tables_mask": (None, False, "pos+ts"), "pos_intervals": (None, True, "pos"),
-               "ts_rab1H": ("1H", False, "ts")}
+               "ts_rab1H": ("1H", False, "ts"), "dense_ts": (None, False, "pos+ts+dense")}
 
 
 @pytest.mark.parametrize("name", list(TABLE_CASES))

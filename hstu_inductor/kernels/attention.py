@@ -33,23 +33,23 @@ skipping). See docs/semantics.md and docs/kernels.md.
 Program order: the row blocks of one (sequence, head) are adjacent programs of a 1-D grid
 (:func:`_tile`), so the CTAs resident at once share their K/V (or Q/dO) tiles in L2.
 
-Tuning knobs (environment): HSTU_INDUCTOR_AUTOTUNE=0 (one default config, no autotuning),
-HSTU_INDUCTOR_SILU=exact|tanh|packed, HSTU_INDUCTOR_DQ_MODE=1|2|3, HSTU_INDUCTOR_BWD_ALGO=atomic|split.
-See docs/kernels.md.
+Tuning knobs (``hstu_inductor.config``, each with its environment variable; docs/options.md): ``autotune``
+(HSTU_INDUCTOR_AUTOTUNE=0: one default config, no autotuning), ``silu`` (HSTU_INDUCTOR_SILU=exact|tanh|packed),
+``dq_mode`` (HSTU_INDUCTOR_DQ_MODE=1|2|3), ``bwd_algo`` (HSTU_INDUCTOR_BWD_ALGO=atomic|split), ``tile_order``
+(HSTU_INDUCTOR_TILE_ORDER=seq|block). See docs/kernels.md.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import _compat
+from .. import _compat, config
 from .common import interpret as _interpret
 from .common import address_source
 from .common import launcher as _launcher
@@ -138,7 +138,7 @@ def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
 def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj, TSB, TSP,
                    HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
     """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
-    (None) pointer (a tuple cannot hold None). ``TSP``: the time-bucket guess (slope, offset, usable) fitted to
+    (None) pointer (a tuple cannot hold None). ``HAS_TS``: 1 for jagged ``[L]`` timestamps, 2 for dense ``[B, N]``. ``TSP``: the time-bucket guess (slope, offset, usable) fitted to
     the thresholds ``TSB``, then the thresholds in fp32 (:func:`_ts_plan`, :func:`_time_bucket`)."""
     RAB_b = 0
     TS_b = 0
@@ -154,7 +154,10 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride
     if HAS_POS:
         POS_t = POSW
     if HAS_TS:
-        TS_b = TS + start
+        if HAS_TS == 2:  # dense [B, N] timestamps (a padded input): row b starts at b * N
+            TS_b = TS + b.to(tl.int64) * MAX_N
+        else:  # jagged [L]
+            TS_b = TS + start
         TSW_t = TSW
         TSB_t = TSB
         TSP_t = TSP
@@ -226,7 +229,10 @@ def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_T
         # next(i) = min(i + 1, N - 1) on padded positions; padding has timestamp 0 (so the last row of a
         # shorter sequence is compared with 0, as in reference.relative_bias)
         nx = tl.minimum(rows + 1, MAXN - 1)
-        tsn = tl.load(TS_b + nx, mask=nx < n, other=0)
+        if HAS_TS == 2:  # dense timestamps: next(i) reads the user's own padding (any value)
+            tsn = tl.load(TS_b + nx, mask=nx >= 0, other=0)
+        else:
+            tsn = tl.load(TS_b + nx, mask=nx < n, other=0)
         tsj = tl.load(TS_b + cols, mask=cols < n, other=0)
         # the difference in the timestamps' dtype (as the reference), bucketed by thresholds
         bk = _time_bucket(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS)
@@ -1143,7 +1149,7 @@ def force_configs(**cfgs):
 
 
 def _autotune_enabled() -> bool:
-    return not _interpret() and os.environ.get("HSTU_INDUCTOR_AUTOTUNE", "1") != "0"
+    return not _interpret() and config.get("autotune")
 
 
 @functools.lru_cache(maxsize=None)
@@ -1372,7 +1378,7 @@ def _iv_args(intervals, H, rows):
             intervals.stride(2))
 
 
-def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None):
+def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=None):
     """((timestamps, pos_w, ts_w, num_buckets), (thresholds, guess plan), constexpr switches) for the table bias
     (docs/semantics.md), tensors contiguous (tiny or [L]); placeholders without tables."""
     if ts_w is not None and timestamps is None:
@@ -1382,10 +1388,13 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None):
     if ts_w is not None:
         if ts_w.dim() != 1 or ts_w.shape[0] < 1:
             raise ValueError(f"hstu attention: ts_w must be [num_buckets + 1], got {tuple(ts_w.shape)}")
-        if timestamps.dim() != 1 or timestamps.shape[0] != rows or timestamps.dtype not in (
-                torch.int32, torch.int64, torch.float32, torch.float64):
-            raise ValueError(f"hstu attention: timestamps must be an int32/int64/fp32/fp64 [L] = [{rows}] tensor, "
-                             f"got {tuple(timestamps.shape)} {timestamps.dtype}")
+        dense = timestamps.dim() == 2
+        shape_ok = tuple(timestamps.shape) == (batch, max_seq_len) if dense else \
+            (timestamps.dim() == 1 and timestamps.shape[0] == rows)
+        if not shape_ok or timestamps.dtype not in (torch.int32, torch.int64, torch.float32, torch.float64):
+            raise ValueError(f"hstu attention: timestamps must be an int32/int64/fp32/fp64 [L] = [{rows}] (jagged) or "
+                             f"[B, N] = [{batch}, {max_seq_len}] (padded) tensor, got {tuple(timestamps.shape)} "
+                             f"{timestamps.dtype}")
     for t in (pos_w, ts_w):
         if t is not None and t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"hstu attention: pos_w / ts_w must be fp16/bf16/fp32, got {t.dtype}")
@@ -1396,7 +1405,7 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None):
         flags["HAS_POS"] = True
     bnd = (None, None)
     if ts_w is not None:
-        flags["HAS_TS"] = True
+        flags["HAS_TS"] = 2 if timestamps.dim() == 2 else 1
         nb = ts_w.shape[0] - 1
         bnd = _ts_bounds_and_plan(ts_bounds, nb, timestamps.dtype, timestamps.device)
         # binary-search steps of the fallback (2**steps > num_buckets); a symbolic size takes the most
@@ -1535,12 +1544,9 @@ def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_
 
 
 def _seq_major() -> bool:
-    """Tile order (:func:`_tile`). ``HSTU_INDUCTOR_TILE_ORDER=block`` selects the block-major order,
-    for side-by-side benchmarks."""
-    order = os.environ.get("HSTU_INDUCTOR_TILE_ORDER", "seq")
-    if order not in ("seq", "block"):
-        raise ValueError(f"HSTU_INDUCTOR_TILE_ORDER must be 'seq' or 'block', got {order!r}")
-    return order == "seq"
+    """Tile order (:func:`_tile`). ``config.tile_order = "block"`` (``HSTU_INDUCTOR_TILE_ORDER=block``)
+    selects the block-major order, for side-by-side benchmarks."""
+    return config.get("tile_order") == "seq"
 
 
 _SILU_MODES = {"exact": 0, "tanh": 1, "packed": 2}
@@ -1549,10 +1555,10 @@ _SILU_MODES = {"exact": 0, "tanh": 1, "packed": 2}
 def _fast_silu(dtype, device) -> int:
     """0: exp2-based fp32 silu; 1: fp32 tanh.approx; 2: packed bf16x2/f16x2 tanh + fma (16-bit on NVIDIA).
 
-    ``HSTU_INDUCTOR_SILU=exact|tanh|packed`` overrides the default for 16-bit inputs."""
+    ``config.silu`` (``HSTU_INDUCTOR_SILU=exact|tanh|packed``) picks it for 16-bit inputs."""
     if dtype == torch.float32 or device.type != "cuda" or _interpret() or torch.version.hip is not None:
         return 0
-    return _SILU_MODES[os.environ.get("HSTU_INDUCTOR_SILU", "tanh")]
+    return _SILU_MODES[config.get("silu")]
 
 
 def _prec(dtype) -> str:
@@ -1572,7 +1578,8 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
          ts_w=None, ts_bounds=None):
     _check_inputs(q, k, v, seq_offsets, num_targets)
     seq_offsets = address_source(seq_offsets)
-    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len, ts_bounds)
+    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len, ts_bounds,
+                                                 seq_offsets.shape[0] - 1)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
@@ -1650,7 +1657,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     rab_grad = bool(rab_grad) and rab is not None
     rab_args = _rab_args(rab, B, H, max_seq_len)
     iv_args = _iv_args(intervals, H, L)
-    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds)
+    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds, B)
     table_grad = bool(table_grad) and bool(tab_flags)
     if rab_grad or (table_grad and pos_w is not None):
         # d rab / d pos_w addresses follow the query block, whose range comes from num_targets (address_source)
@@ -1710,11 +1717,8 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     # "atomic" = one kernel, dQ through fp32 atomics. Split is the default: with the sequence-major
     # tile order it measured faster at N <= 1024 and tied at 2048 (H100, benchmarks/RESULTS.md, 2026-11-22/23;
     # atomics win at N <= 1024 only in the block-major order, where every tile re-reads Q/dO from DRAM).
-    # HSTU_INDUCTOR_BWD_ALGO=atomic overrides.
-    algo = "split" if deterministic else os.environ.get("HSTU_INDUCTOR_BWD_ALGO", "split")
-    if algo not in ("split", "atomic"):
-        raise ValueError(f"HSTU_INDUCTOR_BWD_ALGO must be 'split' or 'atomic', got {algo!r}")
-    split = algo == "split"
+    # config.bwd_algo = "atomic" (HSTU_INDUCTOR_BWD_ALGO=atomic) overrides.
+    split = deterministic or config.get("bwd_algo") == "split"
     # With atomics, pointer loads measured faster than TMA loads in the dK/dV kernel: auto mode uses them.
     tma_dkdv = use_tma and (split or tma is True)
     if use_tma and not _tma_ok(dout):
@@ -1733,8 +1737,8 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     else:
         dq_acc = torch.zeros((L, H, Dq), dtype=torch.float32, device=q.device)
         # dQ accumulation: 1 = fp32 pointer atomics (default: measured faster than TMA bulk reduce-add on
-        # H200), 2 = TMA reduce-add, 3 = vectorized red.v2 (sm90, even head dim). HSTU_INDUCTOR_DQ_MODE.
-        dq_mode = int(os.environ.get("HSTU_INDUCTOR_DQ_MODE", "1"))
+        # H200), 2 = TMA reduce-add, 3 = vectorized red.v2 (sm90, even head dim). config.dq_mode.
+        dq_mode = config.get("dq_mode")
         if dq_mode == 2 and not (tma_dkdv and not _interpret() and _tma_ok(dq_acc)):
             dq_mode = 1
         if dq_mode == 3 and (_interpret() or q.device.type != "cuda" or bdq != Dq):

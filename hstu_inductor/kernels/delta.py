@@ -45,7 +45,6 @@ mask option of cached attention means the same here.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -57,6 +56,7 @@ from . import delta_plans as P
 # ("NameError: A is not defined" when a compiled graph launched this kernel on the H100)
 from .attention import _bias_operands, _fwd_inner, _fwd_key_range, _id_end, _ids, _load_rows, _rows, _seq_bounds
 from .. import _compat
+from .. import config as options  # `config` is the tile argument of the functions here
 from .common import address_source, interpret, launcher, new_tensor
 
 __all__ = ["delta_attention_fwd", "delta_forward", "max_delta_rows", "choose_split"]
@@ -255,15 +255,16 @@ def delta_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targ
 
 def _plan_for(D, dtype, plan, config, max_seq_len=0):
     """``plan`` (default: ``PLANS``' (or ``LONG``'s) for D rows, or its last plan beyond them), with ``config`` ((BLOCK_N, stages,
-    warps), or the ``HSTU_INDUCTOR_DELTA_CONFIG`` index into ``_CONFIGS``) replacing its tile and pipeline."""
+    warps), or the ``config.delta_config`` (``HSTU_INDUCTOR_DELTA_CONFIG``) index into ``_CONFIGS``) replacing its
+    tile and pipeline."""
     fp32 = dtype == torch.float32
     if plan is None:
         plan = P.default_plan(D, fp32, max_seq_len) or P.default_plan(P.max_rows(), fp32)
     elif fp32:  # fp32 tiles are twice as wide: the fp32 pipeline, whatever the plan
         plan = plan._replace(block_m=min(plan.block_m, P.FP32_MAX_BLOCK_M), **P.FP32)
-    pick = os.environ.get("HSTU_INDUCTOR_DELTA_CONFIG")
+    pick = options.get("delta_config")
     if config is None and pick is not None:
-        config = _CONFIGS[int(pick)]
+        config = _CONFIGS[pick]
     if config is not None:
         plan = plan._replace(block_n=config[0], stages=config[1], warps=config[2])
     return plan

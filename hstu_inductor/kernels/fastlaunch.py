@@ -11,20 +11,17 @@ The key (:func:`_arg_key`, :func:`launch`) holds everything Triton 3.6 specialis
 ``create_function_from_signature`` -> ``native_specialize_impl``; ``python/src/specialize.cc``), and a little
 more. Private Triton API lives only here; anything unexpected falls back to ``kernel[grid]``.
 
-Switch: ``MODE`` (env ``HSTU_INDUCTOR_FASTLAUNCH``): ``"on"`` (default), ``"off"`` (always ``kernel[grid]``),
-``"verify"`` (cached launches, each checked against the kernel Triton's own cache would launch; tests).
+Switch: ``hstu_inductor.config.fastlaunch`` (env ``HSTU_INDUCTOR_FASTLAUNCH``): ``"on"`` (default), ``"off"``
+(always ``kernel[grid]``), ``"verify"`` (cached launches, each checked against the kernel Triton's own cache would
+launch; tests).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-__all__ = ["Desc", "launch", "MODE", "clear"]
+from .. import config
 
-MODE = os.environ.get("HSTU_INDUCTOR_FASTLAUNCH", "on").lower()
-if MODE in ("0", "false", "no"):
-    MODE = "off"
+__all__ = ["Desc", "launch", "clear"]
 
 VERIFIED = 0  # cached launches checked in "verify" mode (tests)
 _MAX_ENTRIES = 64  # per kernel; keys differ only by dtype, targets, alignment and a few flags
@@ -154,7 +151,9 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict):
     """``kernel[grid](*args, **meta)`` (descriptors passed as :class:`Desc`), cached as the module doc says.
     ``args``: the runtime arguments in signature order; ``meta``: constexprs (the signature's last parameters)
     and compile options by name."""
-    tri = None if MODE == "off" else _triton()
+    # a plain read, not config.get(): this is the path whose microseconds the module exists to save
+    mode = config.fastlaunch
+    tri = None if mode == "off" else _triton()
     if tri is None:
         return _slow(kernel, grid, args, meta)
     driver, knobs, HookChain, CompiledKernel = tri
@@ -182,7 +181,7 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict):
                 cache.clear()
             cache[key] = entry
         return compiled
-    if MODE == "verify":
+    if mode == "verify":
         _verify(kernel, args, meta, entry[4], device)
     run, function, packed, tail, compiled = entry
     n = len(grid)

@@ -23,7 +23,7 @@ and still returns four tensors; ``attention_bwd_rab`` also returns ``d_rab`` and
 when rab needs a gradient (a fifth output on ``attention_bwd`` would break its existing callers).
 
 The original HSTU's table bias (``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]``) is three more
-trailing optional tensors, ``timestamps: [L]``, ``pos_w: [2N-1]``, ``ts_w: [num_buckets+1]`` (either table
+trailing optional tensors, ``timestamps: [L]`` (or ``[B, N]`` padded by the caller), ``pos_w: [2N-1]``, ``ts_w: [num_buckets+1]`` (either table
 may be left out; ``num_buckets`` is ``len(ts_w) - 1``, so no extra int argument). The kernels compute the
 bias in-kernel; elsewhere the body materialises it with ``reference.relative_bias``. Separate tensors
 rather than one tuple argument: a custom-op schema has no optional tuples, and autograd, fake tensors,
@@ -106,7 +106,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
                                   contextual_seq_len, min_full_attn_seq_len, causal=causal, check_values=False)
         validate_rab_intervals(q, seq_offsets, max_seq_len, rab, intervals, num_targets, max_attn_len,
                                contextual_seq_len, min_full_attn_seq_len)
-        validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w, ts_bounds)
+        validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w, ts_bounds, seq_offsets)
     check_jagged_values(seq_offsets, k.shape[0], max_seq_len, num_targets)
     kern = _kernels_for(q)
     if kern is not None:
@@ -235,7 +235,7 @@ def attention_bwd_bias(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offset
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward with the table bias: ``(dq, dk, dv, d_attn_scale, d_rab, d_pos_w, d_ts_w)``; a gradient not
     requested (or of an absent input) is an empty tensor. ``ts_bounds`` as in :func:`attention`."""
-    validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w, ts_bounds)
+    validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w, ts_bounds, seq_offsets)
     return _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
                 contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad,
                 timestamps, pos_w, ts_w, need_table_grad, ts_bounds)

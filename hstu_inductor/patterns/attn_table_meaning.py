@@ -32,7 +32,7 @@ def prove_term(tc, ch) -> None:
     coordinates ``ch`` (``attn_meaning.Chain``); fills ``tc.deltas``. Raises Decline."""
     plan, dom = ch.plan, ch.dom
     t = tc.term
-    if tc.stamps is not None:  # per-token timestamps have the L rows (their own symbol under dynamic shapes)
+    if tc.stamps is not None and not tc.dense:  # jagged timestamps have the L rows (their own symbol if dynamic)
         dom.row_sizes.append(lay.to_expr(meta_val(tc.stamps).shape[0]))
     Tp, Tt, Iu, ts = (sympy.Function(f"{k}_{id(tc)}") for k in ("Tp", "Tt", "I", "ts"))
     Iu.is_int_leaf = True
@@ -110,13 +110,15 @@ def _prove_gap(tc, ch, E, icoords, ts, leaves) -> None:
     nb = dom.length(ch.b)
 
     def tspad(p):
+        if tc.dense:  # a [B, N] input: its padding is data
+            return ts(ch.b, p)
         return sympy.Piecewise((ts(off(ch.b) + p), sympy.Lt(p, nb)), (0, True))
 
     want = tspad(sympy.Min(ch.i + 1, N - 1)) - tspad(ch.j)
     ok, _ = decide.valid(dom, sympy.Eq(gap, want, evaluate=False), ch.in_seq())
     if not ok:
-        raise Decline(f"time table {tc.ts.name} is not read at bucket(ts(next(i)) - ts(j)) of the 0-padded "
-                      f"timestamps")
+        raise Decline(f"time table {tc.ts.name} is not read at bucket(ts(next(i)) - ts(j)) of the "
+                      f"{'padded' if tc.dense else '0-padded'} timestamps")
 
 
 def _value_chain(tc):

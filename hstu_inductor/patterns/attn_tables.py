@@ -5,7 +5,8 @@ A bias term ``R`` found by ``attn_bias`` (a tensor added to the scores before th
     R(b, h, i, j) = Tp[c + j - i] + Tt[bucket(ts_b(next(i)) - ts_b(j))]      (either part may be absent)
 
 on every in-sequence position, for 1-D tables ``Tp`` / ``Tt`` read from graph inputs (``[V]`` or ``[V, 1]``),
-the jagged timestamps ``ts`` padded with 0 by the user's own pad, ``next(i) = min(i + 1, N - 1)``, and a
+the jagged timestamps ``ts`` padded with 0 by the user's own pad (or a ``[B, N]`` timestamps input the
+caller padded, read as it is), ``next(i) = min(i + 1, N - 1)``, and a
 bucket that is a non-decreasing step function of ``|dt|``. Then the op gets ``timestamps``,
 ``pos_w = Tp[c - N + 1 : c + N]``, ``ts_w = Tt`` and the bucket's thresholds ``ts_bounds`` and computes
 the bias in-kernel (docs/semantics.md, path (b)): nothing ``N x N`` is materialised, and gradients reach
@@ -48,6 +49,7 @@ from .. import config
 from ..reference.jagged import jagged_to_padded
 from ..reference.rab import buckets_from_bounds, time_bucket_bounds
 from . import attn_layout as lay
+from . import constants
 from .attn_find import meta_val
 from .prover import Decline, attribute, close, closure, concrete, evaluate, probe_values, solve_binding, sym_expr
 
@@ -86,7 +88,8 @@ class TermCheck:
     ts: torch.fx.Node = None          # time table leaf
     index: torch.fx.Node = None       # the time gather's index I
     gap: torch.fx.Node = None         # G = ts(.) - ts(.)
-    stamps: torch.fx.Node = None      # X: the jagged timestamps [L] the pad reads
+    stamps: torch.fx.Node = None      # X: the jagged timestamps [L] the pad reads, or padded [B, N] ones
+    dense: bool = False               # X is [B, N] (an input padded by the caller, read as it is)
     source: torch.fx.Node = None      # the graph input the timestamps come from
     bounds: torch.Tensor = None       # thresholds of the bucket (CPU)
     order_i: list = None              # closure of I from X (native dtypes)
@@ -115,7 +118,9 @@ def _is_table(n) -> bool:
 
 
 def _tensor_leaves(leaves, allowed):
-    return [x for x in leaves if x not in allowed and isinstance(meta_val(x), torch.Tensor) and x.op != "get_attr"]
+    """The data inputs among ``leaves``: constants (``get_attr``, module state) are read by value."""
+    return [x for x in leaves if x not in allowed and isinstance(meta_val(x), torch.Tensor) and x.op != "get_attr"
+            and constants.value(x) is None]
 
 
 def analyse(plan) -> list:
@@ -256,7 +261,7 @@ def _bucket(tc, plan):
     gdt = meta_val(tc.gap).dtype
     if gdt not in _TS_DTYPES or meta_val(tc.index).is_floating_point():
         raise Decline(f"time gap of dtype {gdt} (int32/int64/fp32/fp64 only)")
-    tc.stamps = _stamps(tc.gap, srcs[0], plan)
+    tc.stamps = _stamps(tc, tc.gap, srcs[0], plan)
     tc.order_i, _ = closure([tc.index], {tc.stamps})
     nb = int(sym_expr(meta_val(tc.ts).shape[0])) - 1
     fn = _chain_fn(chain, tc.gap)
@@ -280,22 +285,31 @@ def _uses(n, x) -> int:
     return count
 
 
-def _stamps(G, src, plan):
-    """The jagged timestamps ``[L]`` the gap is computed from: the latest node of ``src``'s rows
-    from which the gap reads nothing but the offsets and sizes."""
-    rows = sym_expr(meta_val(src).shape[0]) if meta_val(src).dim() == 1 else None
+def _stamps(tc, G, src, plan):
+    """The timestamps the gap is computed from: jagged ``[L]`` (the latest node of ``src``'s rows from
+    which the gap reads nothing but the offsets and sizes; the graph pads them), else padded ``[B, N]``
+    (the latest such node; the original HSTU's ``all_timestamps``, whose padding the bias reads)."""
+    sv = meta_val(src)
+    if sv.dim() == 1:
+        rows = sym_expr(sv.shape[0])
+        fits = lambda v: v.dim() == 1 and lay.eq(sym_expr(v.shape[0]), rows)  # noqa: E731
+    elif sv.dim() == 2:
+        tc.dense = True
+        fits = lambda v: v.dim() == 2 and lay.eq(sym_expr(v.shape[0]), plan.B) \
+            and lay.eq(sym_expr(v.shape[1]), plan.N)  # noqa: E731
+    else:
+        raise Decline(f"timestamps {src.name} of {sv.dim()} dims (jagged [L] or padded [B, N])")
     order, _ = closure([G], set())
     for n in reversed([*order, src] if src not in order else order):
         val = meta_val(n)
-        if not (isinstance(val, torch.Tensor) and val.dim() == 1 and rows is not None
-                and lay.eq(sym_expr(val.shape[0]), rows)):
+        if not (isinstance(val, torch.Tensor) and fits(val)):
             continue
         _, leaves = closure([G], {n})
         if not _tensor_leaves(leaves, {n, plan.offsets}):
             if val.dtype not in _TS_DTYPES:
                 raise Decline(f"timestamps {n.name} of dtype {val.dtype}")
             return n
-    raise Decline("timestamps are not a jagged [L] tensor padded in the graph")
+    raise Decline("timestamps are neither a jagged [L] tensor padded in the graph nor a [B, N] tensor")
 
 
 def _chain_fn(chain, G):
@@ -315,6 +329,9 @@ def _chain_fn(chain, G):
                     env[x] = _real_int(x)
                 elif x.op == "get_attr":
                     env[x] = attribute(gm, x.target).detach().cpu()
+                elif constants.value(x) is not None:  # module state (a boundary buffer): guarded by value
+                    constants.record(x)
+                    env[x] = constants.value(x).detach().cpu()
                 else:
                     raise Decline(f"time bucket reads input {x.name}")
             consts[a] = evaluate(gm, order, env, native=True)[a]
@@ -420,8 +437,13 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
     env = dict(env0)
     Lp = int(off[-1])
     if tc.stamps is not None:
-        binding = solve_binding([(meta_val(tc.stamps).shape[0], Lp)], binding)
-        raw = probe_timestamps(Lp, meta_val(tc.stamps).dtype, gen)
+        if tc.dense:  # [B, N], padding included: random like the rest (the bias may read it)
+            Bp = off.shape[0] - 1
+            binding = solve_binding([(meta_val(tc.stamps).shape[0], Bp), (meta_val(tc.stamps).shape[1], Np)], binding)
+            raw = probe_timestamps(Bp * Np, meta_val(tc.stamps).dtype, gen).reshape(Bp, Np)
+        else:
+            binding = solve_binding([(meta_val(tc.stamps).shape[0], Lp)], binding)
+            raw = probe_timestamps(Lp, meta_val(tc.stamps).dtype, gen)
         env[tc.stamps] = raw.to(torch.float64) if raw.is_floating_point() else raw
     tabs = [T for T in (tc.pos, tc.ts) if T is not None]
     pairs = []
@@ -480,12 +502,14 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
         if len(tc.deltas) > 1:
             raise Decline(f"position table {tc.pos.name} read at an offset that changes with N or its size")
     if tc.ts is not None:
-        tsp = jagged_to_padded(raw.to(meta_val(tc.gap).dtype), off, Np)  # the op's timestamps, 0-padded
+        # the op's timestamps as [B, N]: a padded input as it is, jagged ones padded with 0
+        tsp = raw.to(meta_val(tc.gap).dtype)
+        tsp = tsp if tc.dense else jagged_to_padded(tsp, off, Np)
         nxt = (torch.arange(Np) + 1).clamp(max=Np - 1)
         ref = buckets_from_bounds(tsp[:, nxt][:, :, None] - tsp[:, None, :], tc.bounds)
         if not torch.equal(idx[tc.ts], ref[bb[sel], ii[sel], jj[sel]]):
-            raise Decline(f"time table {tc.ts.name} is not read at bucket(ts(next(i)) - ts(j)) of the 0-padded "
-                          f"timestamps")
+            raise Decline(f"time table {tc.ts.name} is not read at bucket(ts(next(i)) - ts(j)) of the "
+                          f"{'padded' if tc.dense else '0-padded'} timestamps")
     rnd = {T: probe_values(tshape[T], gen) for T in tabs}
     want = sum(rnd[T].reshape(-1)[idx[T]] for T in tabs)
     if not close(at(rnd)[sel], want):

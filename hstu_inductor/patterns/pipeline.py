@@ -44,8 +44,9 @@ def package_hash() -> str:
 class HSTUPatternPass(CustomGraphPass):
     """Runs every enabled rewriter on an ATen-level graph, in place.
 
-    ``uuid()`` hashes this package's sources and the config, so Inductor's FX graph cache is
-    invalidated when the pattern logic or options change. Survives ``copy.deepcopy`` (AOTI).
+    ``uuid()`` hashes this package's sources and the options that change generated code, so Inductor's
+    FX graph cache is invalidated when the pattern logic or those options change. Survives
+    ``copy.deepcopy`` (AOTI).
     """
 
     def __init__(self):
@@ -62,9 +63,10 @@ class HSTUPatternPass(CustomGraphPass):
 
 
 def cache_uuid() -> bytes:
-    """Key for Inductor's caches: our sources + options. Needed because a graph that calls
-    ``hstu::*`` ops looks the same to Inductor's cache after our op/kernel code changed."""
-    return hashlib.sha256((package_hash() + repr(sorted(config.snapshot().items()))).encode()).digest()
+    """Key for Inductor's caches: our sources + ``config.cache_key()``. Needed because a graph that
+    calls ``hstu::*`` ops looks the same to Inductor's cache after our op/kernel code or a kernel
+    option (traced into the generated code with the ops' bodies) changed."""
+    return hashlib.sha256((package_hash() + config.cache_key()).encode()).digest()
 
 
 class HSTULoweringAudit(CustomGraphPass):
@@ -109,6 +111,12 @@ def run_rewriters(gm: torch.fx.GraphModule) -> RewriteReport:
     for kind, rewriters in REWRITERS.items():
         if not config.patterns.get(kind, True):
             continue
+        if kind != "attention" and _attention_declined(report):
+            if _has_layer_norm(gm):  # only where a block could be: a graph of attention alone says nothing more
+                report.near_misses.append((kind, "not tried: the graph's attention was declined, and a block "
+                                                 "rewritten alone is slower than Inductor's fused code "
+                                                 "(config.lone_blocks)"))
+            continue
         for rewriter in rewriters:
             rewriter(gm, report)
     # joins the two block rewrites' ops, so it runs after both
@@ -119,6 +127,17 @@ def run_rewriters(gm: torch.fx.GraphModule) -> RewriteReport:
         gm.recompile()
     publish(report)
     return report
+
+
+def _attention_declined(report: RewriteReport) -> bool:
+    """The graph had attention candidates and none was rewritten (the attention rewriters run first)."""
+    return not config.lone_blocks and report.counts["attention"] == 0 and \
+        any(kind == "attention" for kind, _ in report.near_misses)
+
+
+def _has_layer_norm(gm: torch.fx.GraphModule) -> bool:
+    norms = (torch.ops.aten.native_layer_norm.default, torch.ops.aten.layer_norm.default)
+    return any(n.op == "call_function" and n.target in norms for n in gm.graph.nodes)
 
 
 def rewrite_dynamo_graph(gm: torch.fx.GraphModule, module_state: dict | None = None) -> torch.fx.GraphModule | None:

@@ -103,9 +103,10 @@ def validate_rab_intervals(
 
 def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Tensor | None,
                         pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
-                        ts_bounds: torch.Tensor | None = None) -> None:
+                        ts_bounds: torch.Tensor | None = None, seq_offsets: torch.Tensor | None = None) -> None:
     """The table bias of ``hstu::attention`` (docs/semantics.md): ``pos_w: [2N-1]`` and/or ``ts_w:
-    [num_buckets+1]`` (fp16/bf16/fp32), ``timestamps: [L]`` (int32/int64/fp32/fp64) exactly when ``ts_w`` is given;
+    [num_buckets+1]`` (fp16/bf16/fp32), ``timestamps`` (int32/int64/fp32/fp64) exactly when ``ts_w`` is given:
+    jagged ``[L]`` (0 past each sequence) or padded ``[B, N]`` (``seq_offsets`` given; its padding is read);
     optional ``ts_bounds: [num_buckets]`` (int64 for integer timestamps, else the timestamps' dtype). Their
     values (non-decreasing thresholds) are the caller's contract, not checked (that would need a host sync)."""
     L = q.shape[0]
@@ -122,8 +123,11 @@ def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Ten
     if ts_w is not None:
         require(ts_w.dim() == 1 and ts_w.shape[0] >= 1,
                 lambda: f"ts_w must be [num_buckets + 1], got {tuple(ts_w.shape)}")
-        require(timestamps.dim() == 1 and timestamps.shape[0] == L,
-                lambda: f"timestamps must be [L] = [{L}], got {tuple(timestamps.shape)}")
+        B = seq_offsets.shape[0] - 1 if seq_offsets is not None else None
+        require((timestamps.dim() == 1 and timestamps.shape[0] == L)
+                or (timestamps.dim() == 2 and B is not None and tuple(timestamps.shape) == (B, max_seq_len)),
+                lambda: f"timestamps must be [L] = [{L}] (jagged) or [B, N] = [{B}, {max_seq_len}] (padded), got "
+                        f"{tuple(timestamps.shape)}")
         require(timestamps.dtype in (torch.int32, torch.int64, torch.float32, torch.float64),
                 lambda: f"timestamps must be int32/int64/fp32/fp64, got {timestamps.dtype}")
         require(timestamps.device == q.device, lambda: f"timestamps is on {timestamps.device}, q on {q.device}")

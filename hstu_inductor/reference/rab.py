@@ -79,7 +79,8 @@ def _indices(timestamps, seq_offsets, N, num_buckets, device, bounds=None):
     pos = N - 1 + i.unsqueeze(0) - i.unsqueeze(1)
     if timestamps is None:
         return pos, None
-    ts = jagged_to_padded(timestamps, seq_offsets, N)  # [B, N]
+    # [B, N]: a padded input as it is (its padding is read), jagged ones padded with 0
+    ts = timestamps if timestamps.dim() == 2 else jagged_to_padded(timestamps, seq_offsets, N)
     nxt = (i + 1).clamp(max=N - 1)
     return pos, time_buckets(ts[:, nxt].unsqueeze(-1) - ts.unsqueeze(1), num_buckets, bounds)
 
@@ -87,7 +88,8 @@ def _indices(timestamps, seq_offsets, N, num_buckets, device, bounds=None):
 def relative_bias(timestamps: torch.Tensor | None, seq_offsets: torch.Tensor, max_seq_len: int,
                   pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
                   ts_bounds: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense ``[B, 1, N, N]`` rab of the original HSTU. ``timestamps: [L]`` (jagged, padded with 0),
+    """Dense ``[B, 1, N, N]`` rab of the original HSTU. ``timestamps: [L]`` (jagged, padded with 0) or ``[B, N]``
+    (padded by the caller: ``ts(next(i))`` of a sequence's last row reads that padding),
     ``pos_w: [2N - 1]``, ``ts_w: [num_buckets + 1]``; ``next(i) = min(i + 1, N - 1)`` on padded positions.
     Either table may be None (its term is left out; ``timestamps`` is only needed with ``ts_w``).
     ``ts_bounds`` (:func:`time_bucket_bounds`, ``[num_buckets]``) replaces the default bucketisation."""

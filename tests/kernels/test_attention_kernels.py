@@ -12,6 +12,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
+from hstu_inductor import config
 from hstu_inductor.kernels import attention as K
 from hstu_inductor.kernels import common
 from hstu_inductor.reference import delta_hstu_mha, hstu_mha
@@ -253,7 +254,7 @@ def test_delta_fwd(tma, poison):
 
 @SMALL
 def test_deterministic_bitwise_and_atomic_close(monkeypatch):
-    monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", "atomic")  # for the non-deterministic call only
+    monkeypatch.setattr(config, "bwd_algo", "atomic")  # for the non-deterministic call only
     lengths = [48, 13, 30]
     q, k, v, off, _ = make_batch(lengths, 2, 32, 32, torch.float32, 48, seed=11)
     dout = torch.randn_like(v)
@@ -426,8 +427,8 @@ def test_target_sweep_fwd_bwd():
 @pytest.mark.parametrize("mode", ["1", "2", "3"], ids=["ptr_atomic", "tma_reduce", "red_v2"])
 def test_gpu_dq_accumulation_modes(mode, monkeypatch):
     """Every dQ accumulation path (pointer atomics, TMA reduce-add, vectorized red) agrees with the reference."""
-    monkeypatch.setenv("HSTU_INDUCTOR_DQ_MODE", mode)
-    monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", "atomic")
+    monkeypatch.setattr(config, "dq_mode", int(mode))
+    monkeypatch.setattr(config, "bwd_algo", "atomic")
     B, N, H, D = 8, 512, 2, 128
     q, k, v, off, nt = _gpu_batch(B, N, H, D, torch.bfloat16, seed=3)
     kw = dict(num_targets=nt, contextual_seq_len=4)
@@ -466,7 +467,7 @@ def test_gpu_every_fwd_config(cfg, tma, poison):
 def test_gpu_every_bwd_config(algo, kind, tma, poison, monkeypatch):
     if tma and not K.tma_supported(torch.device("cuda")):
         pytest.skip("no TMA on this GPU")
-    monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)  # the dK/dV kernel with and without dQ atomics
+    monkeypatch.setattr(config, "bwd_algo", algo)  # the dK/dV kernel with and without dQ atomics
     B, N, H = 4, 1024, 2
     ran = 0
     for cfg in _gpu_configs(kind):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hstu_inductor import config
 from hstu_inductor.kernels import attention as K
 from hstu_inductor.kernels import common
 from hstu_inductor.reference import hstu_mha, relative_bias, sla_intervals
@@ -126,7 +127,7 @@ RAB_CASES = {  # rab broadcast shape, mask options, tma, backward algorithm
 @pytest.mark.parametrize("case", list(RAB_CASES))
 def test_rab_fwd_bwd(case, poison, monkeypatch):
     shape, opts, tma, algo = RAB_CASES[case]
-    monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
+    monkeypatch.setattr(config, "bwd_algo", algo)
     q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=hash(case) % 997)
     kw = _mask_kwargs(opts, q.shape[0], seed=0)
     rab = _rab(shape, N, 2, torch.float32, seed=len(case))
@@ -145,7 +146,7 @@ def test_intervals_random(heads, with_rab, tma, poison):
 
 @SMALL
 def test_sla_intervals_atomic_and_rab(poison, monkeypatch):
-    monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", "atomic")
+    monkeypatch.setattr(config, "bwd_algo", "atomic")
     q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=31)
     iv = sla_intervals(off, torch.tensor([3, 0, 1, 4]), k1=4, k2=2, contextual_seq_len=3)
     _check(q, k, v, dout, off, N, 0.3, intervals=iv, deterministic=False)
@@ -159,7 +160,7 @@ def test_interval_tile_skipping(algo, poison, monkeypatch):
     visit of its tiles would spread (v, dO enter dots with zero weights), so finite results that match
     the reference on zeroed rows prove that whole key tiles (fwd, dQ) and query tiles (dK/dV) are
     skipped. The other rows' intervals span both sides of the band (the gap between x0 and x1)."""
-    monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
+    monkeypatch.setattr(config, "bwd_algo", algo)
     lengths, n = [48, 5, 40], 48
     q, k, v, dout, off = _batch(lengths, 2, 16, torch.float32, seed=41)
     g = torch.Generator().manual_seed(42)
@@ -215,13 +216,56 @@ def test_table_bias_fwd_bwd(case, poison, monkeypatch):
     """(b): the bias computed in-kernel from timestamps and the two tables, crossed with every mask option;
     gradients to q, k, v and both tables (and a dense rab added on top in one case)."""
     which, ts_dtype, opts, rab_shape, tma, algo = TABLE_CASES[case]
-    monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
+    monkeypatch.setattr(config, "bwd_algo", algo)
     seed = sum(map(ord, case))
     q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=seed)
     kw = _mask_kwargs(opts, q.shape[0], seed=seed)
     rab = _rab(rab_shape, N, 2, torch.float32, seed=seed) if rab_shape else None
     tables = _tables(LENGTHS, N, 20, ts_dtype, which, seed=seed + 1)
     _check(q, k, v, dout, off, N, 0.25, rab=rab, tma=tma, deterministic=algo == "split", tables=tables, **kw)
+
+
+def _dense_stamps(ts, lengths, n, seed, pad=None):
+    """``[B, N]`` timestamps: each sequence's jagged timestamps, then ``pad`` (random values of the same
+    range when None: a padded input's padding is data the bias reads at ``next(n_b - 1) = n_b``)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.empty(len(lengths), n, dtype=ts.dtype)
+    start = 0
+    for b, m in enumerate(lengths):
+        out[b, :m] = ts[start:start + m].cpu()
+        fill = torch.randint(0, 10 ** 6, (n - m,), generator=g).to(ts.dtype) if pad is None else pad
+        out[b, m:] = fill
+        start += m
+    return out.to(ts.device)
+
+
+@SMALL
+@pytest.mark.parametrize("ts_dtype", [torch.int64, torch.float32])
+def test_table_bias_dense_timestamps(ts_dtype, poison):
+    """Timestamps as a padded ``[B, N]`` input (the original HSTU's ``all_timestamps``): the bias reads the
+    caller's padding at ``next(i)`` of each sequence's last row. The reference bias equals an element loop
+    of the definition; the kernels equal it, forward and backward (both tables); with zero padding the
+    padded input gives the jagged input's result."""
+    from hstu_inductor.reference.rab import time_buckets
+
+    seed = 91 if ts_dtype == torch.int64 else 92
+    q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=seed)
+    ts, pos_w, ts_w = _tables(LENGTHS, N, 20, ts_dtype, "pos+ts", seed=seed + 1)
+    dense = _dense_stamps(ts, LENGTHS, N, seed + 2)
+    bias = relative_bias(dense, off, N, pos_w.double(), ts_w.double())
+    for b, m in enumerate(LENGTHS):
+        for i in range(m):
+            nxt = min(i + 1, N - 1)
+            for j in range(m):
+                bk = time_buckets((dense[b, nxt] - dense[b, j]).reshape(1), 20)
+                assert float(bias[b, 0, i, j]) == float(pos_w[N - 1 + j - i].double() + ts_w[bk[0]].double())
+    _check(q, k, v, dout, off, N, 0.25, tables=(dense, pos_w, ts_w), num_targets=torch.tensor([2, 0, 1, 3]))
+    zero = _dense_stamps(ts, LENGTHS, N, seed, pad=0)
+    got = K.hstu_attention_fwd(q, k, v, off, N, 0.25, timestamps=zero, pos_w=pos_w, ts_w=ts_w)
+    want = K.hstu_attention_fwd(q, k, v, off, N, 0.25, timestamps=ts, pos_w=pos_w, ts_w=ts_w)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="timestamps must be"):
+        K.hstu_attention_fwd(q, k, v, off, N, 0.25, timestamps=dense[:, 1:], ts_w=ts_w)
 
 
 @SMALL
@@ -309,7 +353,7 @@ def test_gpu_rab(shape, dtype, tma, poison, monkeypatch):
     q, k, v, dout, off, nt = _gpu_batch(tma, 8, n, H, D, dtype, seed=1)
     rab = _rab(shape, n, H, dtype, seed=4)
     for algo in ("split", "atomic"):
-        monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
+        monkeypatch.setattr(config, "bwd_algo", algo)
         _check(q, k, v, dout, off, n, 1.0 / D, rab=rab, tma=tma, deterministic=algo == "split",
                num_targets=nt.to(DEV), max_attn_len=100, contextual_seq_len=5)
 
@@ -324,7 +368,7 @@ def test_gpu_intervals(dtype, tma, poison, monkeypatch):
     rnd = _random_intervals((off[1:] - off[:-1]).tolist(), H, seed=8)
     rab = _rab((1, H), n, H, dtype, seed=9)
     for algo in ("split", "atomic"):
-        monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
+        monkeypatch.setattr(config, "bwd_algo", algo)
         _check(q, k, v, dout, off, n, 1.0 / D, intervals=sla, tma=tma, deterministic=algo == "split")
         _check(q, k, v, dout, off, n, 1.0 / D, intervals=rnd, rab=rab, tma=tma, deterministic=algo == "split")
 
@@ -480,6 +524,6 @@ def test_gpu_tables_ts_bounds(span, kind, poison, monkeypatch):
     tables = _bounded_tables(lengths, n, nb, torch.int64, span, seed=8)
     bounds = None if kind == "default" else _user_bounds(nb, torch.int64, kind).to(DEV)
     for algo in ("split", "atomic"):
-        monkeypatch.setenv("HSTU_INDUCTOR_BWD_ALGO", algo)
+        monkeypatch.setattr(config, "bwd_algo", algo)
         _check(q, k, v, dout, off, n, 1.0 / D, tables=tables, ts_bounds=bounds, deterministic=algo == "split",
                num_targets=nt.to(DEV), max_attn_len=100, contextual_seq_len=5)

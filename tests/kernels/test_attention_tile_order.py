@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from hstu_inductor import config
 from hstu_inductor.kernels import attention as K
 from hstu_inductor.kernels import common
 
@@ -19,7 +20,7 @@ N = 64
 
 
 def _run(order, monkeypatch, **kw):
-    monkeypatch.setenv("HSTU_INDUCTOR_TILE_ORDER", order)
+    monkeypatch.setattr(config, "tile_order", order)
     q, k, v, off, _ = make_batch(LENGTHS, 2, 32, 32, torch.float32, N, strided=True, seed=11)
     alpha = 1.0 / math.sqrt(32)
     dout = torch.randn(q.shape[0], 2, 32, generator=torch.Generator().manual_seed(3)).to(DEV)
@@ -46,6 +47,6 @@ def test_orders_agree(kw, monkeypatch):
 
 
 def test_bad_order_is_named(monkeypatch):
-    monkeypatch.setenv("HSTU_INDUCTOR_TILE_ORDER", "rows")
+    monkeypatch.setattr(config, "tile_order", "rows")
     with pytest.raises(ValueError, match="HSTU_INDUCTOR_TILE_ORDER"):
         K._seq_major()

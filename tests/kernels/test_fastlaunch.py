@@ -26,6 +26,7 @@ from triton.compiler.compiler import CompiledKernel  # noqa: E402
 from triton.runtime.driver import driver as DRIVER  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
+import hstu_inductor  # noqa: E402
 from hstu_inductor.kernels import fastlaunch as fl  # noqa: E402
 from hstu_inductor.kernels import gluon_attention as ga  # noqa: E402
 from hstu_inductor.kernels import gluon_backward as gb  # noqa: E402
@@ -148,7 +149,7 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
         monkeypatch.setattr(kern, "_do_compile", fake.do_compile(kern))
     monkeypatch.setattr(ga, "_num_sms", lambda device: 8)
-    monkeypatch.setattr(fl, "MODE", "verify")
+    monkeypatch.setattr(hstu_inductor.config, "fastlaunch", "verify")
     fl.clear()
     yield fake
     fl.clear()
@@ -256,7 +257,7 @@ def test_verify_catches_a_wrong_entry(fake_gpu):
 
 
 def test_off_always_goes_through_triton(fake_gpu, monkeypatch):
-    monkeypatch.setattr(fl, "MODE", "off")
+    monkeypatch.setattr(hstu_inductor.config, "fastlaunch", "off")
     c = _case()
     for _ in range(3):
         _fwd(c)

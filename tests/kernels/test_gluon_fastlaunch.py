@@ -1,5 +1,5 @@
 """Cached launches of the Gluon kernels (kernels/fastlaunch.py) on an sm90 GPU: outputs and gradients bitwise equal
-to the uncached path (``kernel[grid]``, ``fastlaunch.MODE = "off"``), on the first cached call, on a repeat, on other
+to the uncached path (``kernel[grid]``, ``config.fastlaunch = "off"``), on the first cached call, on a repeat, on other
 tensors of the same shape, and on calls whose layout or alignment differs from the warm entry's. The cached calls run
 in ``"verify"`` mode: each one is also checked against the kernel Triton's own binder and cache would pick.
 Outputs are poisoned with NaN (an unwritten element fails ``torch.equal``). The CPU half: test_fastlaunch.py.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hstu_inductor
 from hstu_inductor.kernels import common
 from test_gluon_attention import _sm90, make_case
 
@@ -22,16 +23,12 @@ def poison(monkeypatch):
     monkeypatch.setattr(common, "POISON_OUTPUTS", True)
 
 
-def _both(fn, fl):
+def _both(fn):
     """``fn()`` uncached, then cached twice (the first cached call may fill the entry, the second hits it)."""
-    saved = fl.MODE
-    try:
-        fl.MODE = "off"
+    with hstu_inductor.config.patch(fastlaunch="off"):
         ref = fn()
-        fl.MODE = "verify"
+    with hstu_inductor.config.patch(fastlaunch="verify"):
         got = [fn(), fn()]
-    finally:
-        fl.MODE = saved
     torch.cuda.synchronize()
     return ref, got
 
@@ -75,10 +72,10 @@ def test_cached_equals_uncached(B, N, targets):
     verified = fl.VERIFIED
     for name, q, k, v, off, nt in _variants(B, N, targets, seed=B * 7919 + N * 2 + targets):
         what = f"B={B} N={N} targets={targets} {name}"
-        ref, got = _both(lambda: gluon_forward(q, k, v, off, N, ALPHA, nt), fl)
+        ref, got = _both(lambda: gluon_forward(q, k, v, off, N, ALPHA, nt))
         _equal(ref, got, "forward " + what)
         grad = torch.randn_like(ref)
-        ref, got = _both(lambda: gluon_backward(grad, q, k, v, off, N, ALPHA, nt), fl)
+        ref, got = _both(lambda: gluon_backward(grad, q, k, v, off, N, ALPHA, nt))
         _equal(ref, got, "backward " + what)
     # every variant had at least its second cached forward and backward (2 kernels) launched from the cache
     assert fl.VERIFIED - verified >= 4 * 3

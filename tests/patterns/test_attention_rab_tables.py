@@ -8,7 +8,8 @@ read at an offset, ``torch.bucketize``; detached buckets or not) goes to
 op's arguments, gradients reach both tables through the op. Outputs and gradients (q, k, v, both
 tables) equal eager under ``torch.compile`` (static and ``dynamic=True``) and in exported programs.
 Near misses (a table read at ``i + j``, a bucket ``% 7``, ``ts(i) - ts(j)``, a position index that wraps
-around) stay dense ``rab`` terms (path a), equal to eager too.
+around) stay dense ``rab`` terms (path a), equal to eager too. Timestamps may also be a ``[B, N]`` input padded
+by the caller (the original HSTU's ``all_timestamps``): its padding is data the bias reads at ``next(i)``.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ class TableBias(torch.nn.Module):
             self.ts_emb = torch.nn.Embedding(NB + 1, 1)
         if spelling == "with_head_bias":
             self.head_bias = torch.nn.Parameter(torch.randn(1, H, N, N, generator=g))
+        if spelling.startswith("padded_input"):  # thresholds in seconds, kept as module state
+            self.register_buffer("bounds", torch.tensor([1, 5, 30, 120, 600, 3600, 4 * 3600, 86400, 7 * 86400,
+                                                         30 * 86400, 180 * 86400, 10 ** 9])[:NB])
 
     def bias(self, ts, offsets):
         sp = self.spelling
@@ -111,6 +115,11 @@ class TableBias(torch.nn.Module):
             dt = _dt_next(pad(ts, offsets))
             b = torch.searchsorted(bounds, dt.abs().contiguous(), right=False).detach()
             return (self.pos_w[N - 1 + i[None, :] - i[:, None]] + self.ts_w[b])[:, None]
+        if sp.startswith("padded_input"):  # the caller's padded [B, N] timestamps: next(i) by gather
+            nxt = (i + 1).clamp(max=N - 1).expand(ts.shape[0], N)
+            later = ts if sp == "padded_input_no_next" else ts.gather(1, nxt)
+            b = torch.bucketize((later[:, :, None] - ts[:, None, :]).abs(), self.bounds, right=True)
+            return (self.pos_w[N - 1 + i[None, :] - i[:, None]] + self.ts_w[b])[:, None]
         if sp == "near_square":  # (|dt| - 300)^2 as x * x: not monotone in |dt|
             x = _dt_next(pad(ts, offsets)).abs().to(torch.float32) - 300.0
             b = (torch.log((x * x).clamp(min=1.0)) / 1.5).floor().clamp(0, NB).long()
@@ -151,7 +160,20 @@ def make_args(lengths, seed, spelling, requires_grad=False):
     ts = (1_700_000_000 + torch.cumsum(gaps, 0)).to(torch.int64)
     if spelling == "time_only":
         ts = ts - 1_700_000_000
+    if spelling.startswith("padded_input"):  # [B, N], padded by the caller with other data (read at next(i))
+        ts = torch.cat([ts, 1_700_000_000 + torch.randint(0, 10 ** 7, (len(lengths) * N,), generator=g)])
+        ts = _padded(ts, offsets, L)
     return q, k, v, offsets, ts.to(TS_DTYPE.get(spelling, torch.int64))
+
+
+def _padded(ts, offsets, L):
+    """``[B, N]``: each sequence's timestamps, then the padding values that follow ``ts[:L]``."""
+    rows, fill = [], L
+    for b in range(offsets.numel() - 1):
+        n = int(offsets[b + 1] - offsets[b])
+        rows.append(torch.cat([ts[int(offsets[b]):int(offsets[b + 1])], ts[fill:fill + N - n]]))
+        fill += N - n
+    return torch.stack(rows)
 
 
 def _tables_call(report):
@@ -194,6 +216,7 @@ RECOGNISED = {  # spelling -> (tables expected in the report, a dense rab term e
     "inside_alpha": ("pos_w=", "ts_w="),
     "subtracted": ("pos_w=", "ts_w="),
     "searchsorted": ("pos_w=", "ts_w="),
+    "padded_input": ("pos_w=", "ts_w="),
 }
 
 
@@ -212,6 +235,19 @@ def test_tables_to_path_b_training(spelling, dynamic, fresh_dynamo):
     for d in details:
         assert "rab=" not in d and all(w in d for w in RECOGNISED[spelling]), d
         assert ("ts_w=" in d) == ("ts_w=" in RECOGNISED[spelling]), d
+
+
+def test_boundary_buffer_changed_after_compile(fresh_dynamo):
+    """The thresholds were read from a module buffer: changed in place, the original graph runs instead
+    (never the stale thresholds)."""
+    model = TableBias("padded_input")
+    compiled = torch.compile(model, backend=REWRITE_BACKEND)
+    args = make_args(LENGTHS, 1, "padded_input")
+    with collecting() as report, torch.no_grad():
+        torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-4, atol=1e-5)
+        model.bounds.mul_(3)
+        torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-4, atol=1e-5)
+    assert "tables:" in _tables_call(report)[0], report
 
 
 def test_tables_and_dense_term(fresh_dynamo):
@@ -264,6 +300,7 @@ NEAR = {
     "near_mod7": "not a monotone op",
     "near_no_next": "bucket(ts(next(i)) - ts(j))",
     "near_square": "reads the gap 2 times",
+    "padded_input_no_next": "bucket(ts(next(i)) - ts(j)) of the padded",
 }
 
 
@@ -354,7 +391,7 @@ def test_symbolic_max_len_tables_training(kind, fresh_dynamo):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "dynamic"])
-@pytest.mark.parametrize("spelling", ["original", "gr", "time_only"])
+@pytest.mark.parametrize("spelling", ["original", "gr", "time_only", "padded_input"])
 def test_gpu_tables_compile_modes(spelling, mode):
     """CUDA, ``backend="hstu"``: the kernels' table bias with the user's thresholds, under the default
     mode, ``reduce-overhead`` (CUDA graphs; the thresholds are a lifted buffer) and ``dynamic=True``;
