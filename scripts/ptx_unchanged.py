@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -170,20 +171,42 @@ def _code(ptx):
     return out
 
 
+VARIANTS = (("fwd", False, 0), ("fwd", True, 0), ("dq", False, 0), ("dq", True, 0),
+            ("dkdv", False, 0), ("dkdv", True, 0), ("dkdv", False, 1))
+
+
+def _dump(root, out):
+    """The normalised PTX bodies of ``root``'s kernels (a package tree) as JSON: one process per tree,
+    since the kernels import helpers from sibling modules of their own revision."""
+    sys.path.insert(0, root)
+    import hstu_inductor.kernels.attention as mod
+    with open(out, "w") as f:
+        json.dump([_body(_ptx(mod, *v)) for v in VARIANTS], f)
+
+
+def _bodies(root):
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--dump", root, out], check=True, env=env)
+    with open(out) as f:
+        return json.load(f)
+
+
 def main():
     if sys.argv[1:2] in (["--features"], ["--features=all"]):
         return features(split=sys.argv[1] == "--features=all")
+    if sys.argv[1:2] == ["--dump"]:
+        return _dump(sys.argv[2], sys.argv[3])
     rev = sys.argv[1] if len(sys.argv) > 1 else "HEAD"
-    old_src = subprocess.check_output(["git", "-C", ROOT, "show", f"{rev}:{PATH}"], text=True)
-    tmp = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
-    tmp.write(old_src)
-    tmp.close()
-    old = _load(tmp.name, "_attention_old")
-    new = _load(os.path.join(ROOT, PATH), "_attention_new")
+    with tempfile.TemporaryDirectory() as old_root:
+        tar = subprocess.run(["git", "-C", ROOT, "archive", rev, "hstu_inductor"], check=True,
+                             capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", old_root], input=tar, check=True)
+        olds = _bodies(old_root)
+    news = _bodies(ROOT)
     ok = True
-    for kind, tma, dq_mode in (("fwd", False, 0), ("fwd", True, 0), ("dq", False, 0), ("dq", True, 0),
-                               ("dkdv", False, 0), ("dkdv", True, 0), ("dkdv", False, 1)):
-        a, b = _body(_ptx(old, kind, tma, dq_mode)), _body(_ptx(new, kind, tma, dq_mode))
+    for (kind, tma, dq_mode), a, b in zip(VARIANTS, olds, news):
         same = a == b
         ok &= same
         print(f"{kind:5s} tma={tma!s:5s} dq_mode={dq_mode}: {'identical' if same else 'DIFFERENT'} "

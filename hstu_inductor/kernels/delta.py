@@ -54,7 +54,8 @@ from . import attention as A
 from . import delta_plans as P
 # jit helpers by name: Inductor re-emits a user kernel's source with the functions it names, not module aliases
 # ("NameError: A is not defined" when a compiled graph launched this kernel on the H100)
-from .attention import _bias_operands, _fwd_inner, _fwd_key_range, _id_end, _ids, _load_rows, _rows, _seq_bounds
+from .attention_fwd import _fwd_inner
+from .attention_jit import _bias_operands, _fwd_key_range, _id_end, _ids, _load_rows, _rows, _seq_bounds
 from .. import _compat
 from .. import config as options  # `config` is the tile argument of the functions here
 from .common import address_source, interpret, launcher, new_tensor

@@ -1,4 +1,4 @@
-"""The program order of the attention kernels (``kernels.attention._tile``) changes only which
+"""The program order of the attention kernels (``kernels.attention_jit._tile``) changes only which
 program runs when, never what it computes: both orders are checked against the fp64 reference, and
 the deterministic kernels must agree bitwise between the orders."""
 from __future__ import annotations

@@ -8,7 +8,8 @@ otherwise, so a near-miss reason can name the element where the user's code diff
 
 The facts of a valid batch (:meth:`Facts.formula`): coordinates in their ranges; ``0 <= n_b <= N``;
 ``0 <= off(x) <= L`` for ``0 <= x <= B``; ``off`` non-decreasing (instantiated for every pair of
-applications that occurs); ``p < n_b`` for the position of a jagged row; ``0 <= tgt(b) <= n_b``.
+applications that occurs); ``p < n_b`` for the position of a jagged row; ``0 <= tgt(b) <= n_b``; the row
+count of every per-token input (its own symbol under dynamic shapes) equals ``L``.
 These are what the op's input checks enforce at run time.
 """
 from __future__ import annotations
@@ -185,6 +186,9 @@ class Facts:
             fs += [x >= tr(lo), x <= tr(hi)]
         for s in _size_symbols(dom):
             fs.append(tr(s) >= 1)
+        for r in dom.row_sizes:  # per-token inputs have the L rows: their contract, which the op checks
+            if sympy.expand(sympy.sympify(r) - dom.L) != 0:
+                fs.append(tr(r) == tr(dom.L))
         for p, b in dom.rows.items():
             fs.append(tr(p) < tr(dom.length(b)))
         for b, n in dom.lengths.items():

@@ -1,0 +1,536 @@
+"""Shared ``@triton.jit`` helpers of the jagged HSTU attention kernels: ids and the element-wise mask,
+the dense and table bias (with the time bucket), the silu variants, program order, the conservative
+block-skipping bounds, and row tiles. One module for the forward and backward kernels (attention_fwd,
+attention_bwd) and cached attention (delta.py), so that every mask and bias option means the same in all.
+
+Two memory paths, chosen by ``TMA``:
+  * pointer loads (any strides, any GPU, the Triton interpreter);
+  * device-side tensor descriptors (``tl.make_tensor_descriptor``, TMA on sm90+), one descriptor
+    per (sequence, head) whose shape ends at the sequence's last row: loads past it are zero-filled
+    by the hardware and stores past it are dropped, so no row masks are needed.
+Both go through one code path, :func:`_rows` / :func:`_load_rows` / :func:`_store_rows`: the
+kernels never branch on ``TMA`` themselves.
+
+Program order: the row blocks of one (sequence, head) are adjacent programs of a 1-D grid
+(:func:`_tile`), so the CTAs resident at once share their K/V (or Q/dO) tiles in L2.
+
+Callers import each helper by name: Triton (and Inductor, re-emitting a user kernel's source) resolve a
+jit function's callees among the globals of the caller's module.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------------------------
+# Element-wise helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ids(p, c, M, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr):
+    """pi(p): contextual prefix -> id 0, targets -> id M (M already holds the target shift)."""
+    if HAS_CTX:
+        x = tl.maximum(p - c + 1, 0)
+    else:
+        x = p
+    if HAS_TGT:
+        x = tl.minimum(x, M)
+    return x
+
+
+@triton.jit
+def _seq_bounds(SEQ_OFFSETS, b, rows, max_n):
+    """(start, n) of sequence b, clamped to 0 <= start <= rows and 0 <= n <= min(rows - start, max_n):
+    any offsets (decreasing, negative, past L) or lengths past max_seq_len then address only rows of
+    the tensors. The identity for valid inputs (the ops check those; config.check_inputs)."""
+    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
+    end = tl.load(SEQ_OFFSETS + b + 1).to(tl.int64)
+    start = tl.minimum(tl.maximum(start, 0), rows)
+    end = tl.minimum(tl.maximum(end, start), rows)
+    return start, tl.minimum(end - start, max_n).to(tl.int32)
+
+
+@triton.jit
+def _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr):
+    """M, the end of ids of a sequence of length n; its target count is clamped to [0, n]."""
+    if HAS_CTX:
+        M = n - CTX + 1
+    else:
+        M = n
+    if HAS_TGT:
+        M = M - tl.minimum(tl.maximum(tl.load(NUM_TARGETS + b).to(tl.int32), 0), n)
+    return M
+
+
+@triton.jit
+def _valid(i, j, pi_i, pi_j, n, M, w, f, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
+           HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr):
+    """valid(i, j) for raw positions i (queries) and j (keys) of one sequence of length n."""
+    ok = (i < n) & (j < n) & (i >= 0)
+    if CAUSAL:
+        d = pi_i - pi_j
+        v = (i == j) | (d > 0)
+        if HAS_WINDOW:
+            win = d <= w
+            if HAS_MINFULL:
+                win = win | (pi_i >= M - f)
+            v = v & win
+        if HAS_CTX:
+            v = v | ((pi_i == 0) & (pi_j < M))
+        ok = ok & v
+    return ok
+
+
+@triton.jit
+def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
+    """rab[i, j] of one (sequence, head) for the position vectors ``rows`` (i, [:, None]-shaped) and
+    ``cols`` (j), zero outside the sequence, in fp32. Strides are 0 along broadcast dims."""
+    return tl.load(RAB_b + rows.to(tl.int64) * stride_ri + cols.to(tl.int64) * stride_rj,
+                   mask=(rows < n) & (cols < n), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj, TSB, TSP,
+                   HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+    """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
+    (None) pointer (a tuple cannot hold None). ``HAS_TS``: 1 for jagged ``[L]`` timestamps, 2 for dense ``[B, N]``. ``TSP``: the time-bucket guess (slope, offset, usable) fitted to
+    the thresholds ``TSB``, then the thresholds in fp32 (:func:`_ts_plan`, :func:`_time_bucket`)."""
+    RAB_b = 0
+    TS_b = 0
+    POS_t = 0
+    TSW_t = 0
+    TSB_t = 0
+    TSP_t = 0
+    slope = 0.0
+    off = 0.0
+    fits = 0.0
+    if HAS_RAB:
+        RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
+    if HAS_POS:
+        POS_t = POSW
+    if HAS_TS:
+        if HAS_TS == 2:  # dense [B, N] timestamps (a padded input): row b starts at b * N
+            TS_b = TS + b.to(tl.int64) * MAX_N
+        else:  # jagged [L]
+            TS_b = TS + start
+        TSW_t = TSW
+        TSB_t = TSB
+        TSP_t = TSP
+        slope = tl.load(TSP)
+        off = tl.load(TSP + 1)
+        fits = tl.load(TSP + 2)
+    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N, TSB_t, TSP_t, slope, off, fits)
+
+
+@triton.jit
+def _bucket_search(x, TSB, NB, TS_STEPS: tl.constexpr):
+    """#{k : x >= TSB[k]} by binary search over the sorted thresholds, in x's dtype: TS_STEPS gathers."""
+    bk = tl.zeros(x.shape, dtype=tl.int32)
+    for s in tl.static_range(TS_STEPS):
+        cand = bk + (1 << (TS_STEPS - 1 - s))
+        ok = cand <= NB
+        thr = tl.load(TSB + (cand - 1), mask=ok, other=0)
+        bk = tl.where(ok & (x >= thr), cand, bk)
+    return bk
+
+
+@triton.jit
+def _time_bucket(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS: tl.constexpr):
+    """#{k : |tsn - tsj| >= TSB[k]} exactly, the gap taken in the timestamps' dtype (int32/int64/fp32/fp64), on
+    the tile broadcast from the row and column vectors ``tsn``, ``tsj`` (``TSB``: sorted thresholds, int64 for
+    integer gaps, else the gaps' dtype; ``TSP[3:]`` the same in fp32 and a NaN; both tiny and L1-resident).
+
+    Per element the fast path keeps only 32-bit values (64-bit values per score element spill, sm90): the gap
+    is rounded to fp32 once (xf); the guess ``c = clamp(floor(slope * log2(xf) + off), 0, NB)`` (monotone) is
+    the bucket or the one below it (:func:`_ts_plan` checked both ends of every bucket), and one gather of
+    the next fp32 threshold decides which. Rounding is monotone, so ``xf != fp32(t)`` decides ``x >= t``; an
+    fp32 gap, or an integer one below 2**24, is exact, so only a tie above it (or an fp64 gap) is
+    ambiguous: a tile with one (rare) redoes its buckets by a binary search in the native dtype, as do all
+    tiles when the thresholds do not follow the log-linear guess (``fits == 0``, one flag per call)."""
+    if fits != 0.0:
+        xf = tl.abs(tsn - tsj).to(tl.float32)
+        u = tl.log2(xf) * slope + off
+        u = tl.where(u > 0.0, u, 0.0)  # also NaN (a negative int gap, |INT_MIN|) and -inf (x = 0)
+        c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
+        t = tl.load(TSP + 3 + c)  # TSP[3 + NB] is NaN: never reached
+        bk = c + (xf >= t).to(tl.int32)
+        if tsn.dtype != tl.float32:
+            tie = xf == t
+            if tsn.dtype != tl.float64:
+                tie = tie & (xf >= 16777216.0)  # below 2**24 integers are exact in fp32: a tie is equality
+            if tl.max(tl.max(tie.to(tl.int32), axis=1), axis=0) > 0:
+                bk = _bucket_search(tl.abs(tsj - tsn), TSB, NB, TS_STEPS)  # (tsj - tsn: not CSE'd with xf's)
+    else:
+        bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
+    return bk
+
+
+@triton.jit
+def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+          TS_STEPS: tl.constexpr):
+    """(bias, bucket) on a tile, fp32, zero outside the sequence: the dense rab plus the table bias
+    ``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]`` (docs/semantics.md). ``rows`` (i) and ``cols``
+    (j) are broadcastable position vectors. The bucket tile (int32, 0 without HAS_TS) feeds d ts_w."""
+    RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN, TSB, TSP, slope, off, fits = RB
+    inside = (rows < n) & (cols < n)
+    bk = 0
+    if HAS_RAB:
+        x = _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj)
+    else:
+        x = tl.where(inside, 0.0, 0.0)
+    if HAS_POS:
+        x += tl.load(POSW + (MAXN - 1 + cols - rows), mask=inside, other=0.0).to(tl.float32)
+    if HAS_TS:
+        # next(i) = min(i + 1, N - 1) on padded positions; padding has timestamp 0 (so the last row of a
+        # shorter sequence is compared with 0, as in reference.relative_bias)
+        nx = tl.minimum(rows + 1, MAXN - 1)
+        if HAS_TS == 2:  # dense timestamps: next(i) reads the user's own padding (any value)
+            tsn = tl.load(TS_b + nx, mask=nx >= 0, other=0)
+        else:
+            tsn = tl.load(TS_b + nx, mask=nx < n, other=0)
+        tsj = tl.load(TS_b + cols, mask=cols < n, other=0)
+        # the difference in the timestamps' dtype (as the reference), bucketed by thresholds
+        bk = _time_bucket(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS)
+        x += tl.load(TSW + bk, mask=inside, other=0.0).to(tl.float32)
+    return x, bk
+
+
+@triton.jit
+def _pre_silu(s, alpha, RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+              TS_STEPS: tl.constexpr):
+    """(x, a, bucket) with silu(a * x) the score: (s, alpha, 0) without a bias (the bias-free arithmetic),
+    else (alpha * s + bias, 1, bucket)."""
+    if HAS_RAB or HAS_POS or HAS_TS:
+        x, bk = _bias(RB, rows, cols, n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
+        return s * alpha + x, 1.0, bk
+    else:
+        return s, alpha, 0
+
+
+@triton.jit
+def _bias_grad(ds, bk, hist, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, TAB_GRAD: tl.constexpr,
+               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               TS_STEPS: tl.constexpr):
+    """Bias gradients from one transposed dS tile ``ds[j, i]`` (keys ``offs_n`` x queries ``offs_m``, zero
+    where invalid). RAB_GRAD 1: store d rab (each element has one writer); 2: fp32 atomics into a buffer
+    of rab's broadcast shape (strides 0 on broadcast dims). TAB_GRAD: d pos_w by diagonal sums, atomics into
+    this program's copy; d ts_w into ``hist``, this program's per-bucket sums in registers (returned; the
+    kernel adds it to its copy once, at the end): never an atomic per score element.
+
+    Mutation analysis (torch's triton_kernel_wrap, what AOTAutograd functionalizes by): an address written
+    here must not depend on a value returned by a helper that received input pointers (it then counts all of
+    them as written: pos_w / ts_w as leaves mutated in place). So the bucket ``bk`` (from :func:`_pre_silu`)
+    only indexes registers, and N comes in GB (a kernel argument), not RB (:func:`_bias_operands`' result)."""
+    DRAB_b, stride_gi, stride_gj, DPOS, DTS, gsc, MAXN = GB
+    NB = RB[6]
+    g = ds.to(tl.float32) * gsc
+    if RAB_GRAD != 0:
+        # 32-bit offsets from the (b, h) base (the buffer is ours, N^2 < 2^31): 64-bit per-element pointers
+        # cost ~2 registers per element of the tile (spills measured offline, sm90)
+        ptrs = DRAB_b + (offs_m[None, :] * stride_gi + offs_n[:, None] * stride_gj)
+        inside = (offs_m[None, :] < n) & (offs_n[:, None] < n)
+        if RAB_GRAD == 1:
+            tl.store(ptrs, g.to(DRAB_b.dtype.element_ty), mask=inside)
+        else:
+            tl.atomic_add(ptrs, g, mask=inside, sem="relaxed")
+    if TAB_GRAD:
+        if HAS_POS:
+            # diagonal sums: skew the tile (column i rotated by i) so each row holds one diagonal j - i,
+            # then one row-sum per wrap-around: BLOCK_N atomics per wrap instead of one per element
+            t = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+            sk = tl.gather(g, t % BLOCK_N, 0)  # sk[r, i] = g[(r + i) % BLOCK_N, i]: j - i = r - BLOCK_N * wrap
+            for wv in tl.static_range((BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1):
+                part = tl.sum(tl.where(t // BLOCK_N == wv, sk, 0.0), axis=1)
+                idx = MAXN - 1 + offs_n - start_m - wv * BLOCK_N
+                tl.atomic_add(DPOS + idx, part, mask=(idx >= 0) & (idx < 2 * MAXN - 1), sem="relaxed")
+        if HAS_TS:
+            # one masked tile sum per bucket present in the tile (few off the diagonal: log buckets)
+            nz = g != 0.0
+            k_lo = tl.min(tl.where(nz, bk, NB))
+            k_hi = tl.max(tl.where(nz, bk, 0))
+            slots = tl.arange(0, 1 << TS_STEPS)
+            for kk in range(k_lo, k_hi + 1):
+                hist += tl.where(slots == kk, tl.sum(tl.where(bk == kk, g, 0.0)), 0.0)
+    return hist
+
+
+@triton.jit
+def _iv_valid(i, j, x0, x1, x2, n):
+    """Interval mask (it replaces the HSTU mask): key j visible to row i iff j in [0, x0) | [x1, x2), j < n."""
+    return (i < n) & (j < n) & ((j < x0) | ((j >= x1) & (j < x2)))
+
+
+@triton.jit
+def _row_tile_mask(pos_m, offs_n, pi_m, x0, x1, x2, n, M, c, w, f, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
+                   HAS_TGT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, HAS_IV: tl.constexpr):
+    """Visibility of a [BLOCK_M, BLOCK_N] tile with query rows ``pos_m`` (ids ``pi_m``) and keys ``offs_n``: the
+    interval mask with intervals, else the HSTU mask (the forward's and dQ's loops; dK/dV's tile is transposed)."""
+    if HAS_IV:
+        return _iv_valid(pos_m[:, None], offs_n[None, :], x0[:, None], x1[:, None], x2[:, None], n)
+    pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
+    return _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL, HAS_CTX,
+                  HAS_WINDOW, HAS_MINFULL)
+
+
+@triton.jit
+def _iv_rows(IV_h, row0, offs, nrows, stride_ir, stride_ic):
+    """(x0, x1, x2) int32 vectors of rows ``row0 + offs`` (zeros, i.e. nothing visible, past ``nrows``)."""
+    ptr = IV_h + (row0 + offs).to(tl.int64) * stride_ir
+    m = offs < nrows
+    x0 = tl.load(ptr, mask=m, other=0).to(tl.int32)
+    x1 = tl.load(ptr + stride_ic, mask=m, other=0).to(tl.int32)
+    x2 = tl.load(ptr + 2 * stride_ic, mask=m, other=0).to(tl.int32)
+    return x0, x1, x2
+
+
+@triton.jit
+def _iv_key_range(x0, x1, x2, n, BLOCK_N: tl.constexpr):
+    """Key tiles a query block with row intervals (x0, x1, x2) can see: [0, a) and [b, e), multiples of
+    BLOCK_N (b >= a). Tiles in [a, b) are invisible to every row: past every x0 and before every x1."""
+    hi0 = tl.minimum(tl.maximum(tl.max(x0, axis=0), 0), n)
+    has2 = x2 > x1
+    lo1 = tl.minimum(tl.maximum(tl.min(tl.where(has2, x1, n), axis=0), 0), n)
+    hi2 = tl.minimum(tl.maximum(tl.max(tl.where(has2, x2, 0), axis=0), 0), n)
+    a = (hi0 + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    b = tl.maximum(lo1 // BLOCK_N * BLOCK_N, a)
+    e = (hi2 + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    return a, b, e
+
+
+@triton.jit
+def _tanh_approx(x):
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _silu(s, alpha, FAST: tl.constexpr):
+    """silu(alpha * s). FAST: 0.5x(1 + tanh(0.5x)) with one MUFU op (16-bit inputs on GPU only)."""
+    if FAST:
+        hx = s * (0.5 * alpha)
+        return hx + hx * _tanh_approx(hx)
+    else:
+        x = s * alpha
+        return x / (1.0 + tl.exp2(x * -1.4426950408889634))
+
+
+@triton.jit
+def _silu_packed(hx):
+    """silu(2 hx) = hx + hx * tanh(hx) on packed 16-bit pairs (one MUFU op and one FMA per 2 elements)."""
+    if hx.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; tanh.approx.bf16x2 t, $1; fma.rn.bf16x2 $0, $1, t, $1; }",
+            "=r,r", [hx], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; tanh.approx.f16x2 t, $1; fma.rn.f16x2 $0, $1, t, $1; }",
+            "=r,r", [hx], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _silu_bwd_packed(hx, dp):
+    """(silu(2 hx), dp * silu'(2 hx)) on packed 16-bit pairs."""
+    if hx.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, h, nh, sg, om, g; mov.b32 h, 0x3F003F00; mov.b32 nh, 0xBF00BF00; "
+            "tanh.approx.bf16x2 t, $2; fma.rn.bf16x2 $0, $2, t, $2; fma.rn.bf16x2 sg, t, h, h; "
+            "fma.rn.bf16x2 om, t, nh, h; fma.rn.bf16x2 g, $0, om, sg; mul.rn.bf16x2 $1, $3, g; }",
+            "=r,=r,r,r", [hx, dp], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, h, nh, sg, om, g; mov.b32 h, 0x38003800; mov.b32 nh, 0xB800B800; "
+            "tanh.approx.f16x2 t, $2; fma.rn.f16x2 $0, $2, t, $2; fma.rn.f16x2 sg, t, h, h; "
+            "fma.rn.f16x2 om, t, nh, h; fma.rn.f16x2 g, $0, om, sg; mul.rn.f16x2 $1, $3, g; }",
+            "=r,=r,r,r", [hx, dp], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _silu_and_grad(s, alpha, FAST: tl.constexpr):
+    """(silu(x), silu'(x)) for x = alpha * s; silu'(x) = sig(x) * (1 + x * (1 - sig(x)))."""
+    if FAST:
+        hx = s * (0.5 * alpha)
+        t = _tanh_approx(hx)
+        sig = 0.5 + 0.5 * t
+        y = hx + hx * t
+    else:
+        x = s * alpha
+        sig = 1.0 / (1.0 + tl.exp2(x * -1.4426950408889634))
+        y = x * sig
+    return y, sig + y * (1.0 - sig)
+
+
+@triton.jit
+def _tile(span, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, SEQ_MAJOR: tl.constexpr):
+    """(b * H + h, row block) of this program in a 1-D grid of B * H * cdiv(span, BLOCK) programs.
+
+    SEQ_MAJOR: the row blocks of one (sequence, head) are adjacent programs, so the CTAs resident at
+    once share K/V (fwd, dQ) or Q/dO (dK/dV) through L2; otherwise one block of every (sequence, head)
+    comes before the next block, and each K/V tile is re-read from DRAM by every row block.
+    LAST_FIRST: the last row block (the most keys under a causal mask) of a (sequence, head) first.
+    """
+    pid = tl.program_id(0)
+    n_blocks = (span + BLOCK - 1) // BLOCK
+    if SEQ_MAJOR:
+        bh = pid // n_blocks
+        blk = pid % n_blocks
+    else:
+        n_bh = tl.num_programs(0) // n_blocks
+        bh = pid % n_bh
+        blk = pid // n_bh
+    if LAST_FIRST:
+        blk = n_blocks - 1 - blk
+    return bh, blk
+
+
+# --------------------------------------------------------------------------------------------
+# Block-skipping bounds (conservative; the element-wise mask is exact inside masked blocks)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_key_range(m_first, m_last, n, M, c, w, f, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_MINFULL: tl.constexpr):
+    """Key ranges for the query rows [m_first, m_last] (raw positions).
+
+    Returns (a, fs, fe, e), multiples of BLOCK_N: keys in [a, fs) and [fe, e) need the mask, keys in
+    [fs, fe) are valid for every query row of the block, keys outside [a, e) are invalid for all.
+    """
+    if CAUSAL:
+        if HAS_CTX:
+            c1 = c - 1
+        else:
+            c1 = 0
+        P = _ids(m_first, c, M, HAS_CTX, HAS_TGT)
+        Pmax = _ids(m_last, c, M, HAS_CTX, HAS_TGT)
+        hi = m_last + 1  # causal: j <= i
+        lo = m_last * 0
+        full_lo = m_last * 0
+        if HAS_WINDOW:
+            # valid j needs pi(j) >= pi(i) - w >= P - w, and pi(j) <= max(j - c1, 0)
+            lo = tl.where(P - w > 0, P - w + c1, 0)
+            qw = Pmax - w
+            full_lo = tl.where(qw > 0, qw + c1, 0)
+            if HAS_MINFULL:  # rows with pi >= M - f ignore the window
+                lo = tl.where(Pmax >= M - f, 0, lo)
+                full_lo = tl.where(P >= M - f, 0, full_lo)
+        # every j with pi(j) < P is strictly before every row of the block (d > 0)
+        full_hi = tl.where(P > 0, P + c1, 0)
+        if HAS_CTX:  # contextual rows (pi == 0) see the whole non-target history
+            is_ctx = P == 0
+            lo = tl.where(is_ctx, 0, lo)
+            hi = tl.where(is_ctx, n, hi)
+    else:
+        lo = n * 0
+        hi = n
+        full_lo = n * 0
+        full_hi = n
+    a = lo // BLOCK_N
+    e = (hi + BLOCK_N - 1) // BLOCK_N
+    fs = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, a), e)
+    fe = tl.minimum(tl.maximum(full_hi // BLOCK_N, fs), e)
+    return a * BLOCK_N, fs * BLOCK_N, fe * BLOCK_N, e * BLOCK_N
+
+
+@triton.jit
+def _bwd_query_range(n0, n, M, c, w, f, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     HAS_MINFULL: tl.constexpr):
+    """Query ranges that can see the key rows [n0, n0 + BLOCK_N) (raw positions).
+
+    Returns (cb, qa, qf, qe, qz), multiples of BLOCK_M: rows [0, cb) (contextual prefix) and
+    [qa, qf), [qe, qz) need the mask; rows [qf, qe) see every key of the block.
+    """
+    if CAUSAL:
+        if HAS_CTX:
+            c1 = c - 1
+            cb = (c + BLOCK_M - 1) // BLOCK_M
+        else:
+            c1 = 0
+            cb = n * 0
+        j_last = tl.minimum(n0 + BLOCK_N, n) - 1
+        qhi = n
+        if HAS_WINDOW:
+            if not HAS_MINFULL:
+                x = _ids(j_last, c, M, HAS_CTX, HAS_TGT) + w  # rows need pi(i) <= pi(j_last) + w
+                qhi = tl.minimum(n, x + c1 + 1)
+                if HAS_TGT:
+                    qhi = tl.where(x >= M, n, qhi)
+        qa = tl.maximum(n0 // BLOCK_M, cb)
+        qz = (qhi + BLOCK_M - 1) // BLOCK_M
+        # full rows: pi(i) >= max(n0 + BLOCK_N - c1, 1) (keys strictly earlier), rows complete
+        qf = (tl.maximum(n0 + BLOCK_N, c1 + 1) + BLOCK_M - 1) // BLOCK_M
+        qe = n // BLOCK_M
+        if HAS_TGT:
+            qe = tl.where(n0 + BLOCK_N - c1 > M, qf, qe)
+        if HAS_WINDOW:
+            if HAS_MINFULL:
+                qe = qf
+            else:
+                y = _ids(n0, c, M, HAS_CTX, HAS_TGT) + w  # whole block in window: pi(last row) <= y
+                qe_w = (y + c1 + 1) // BLOCK_M
+                if HAS_TGT:
+                    qe_w = tl.where(y >= M, qe, qe_w)
+                qe = tl.minimum(qe, qe_w)
+        qe = tl.where(n0 + BLOCK_N > n, qf, qe)
+    else:
+        cb = n * 0
+        qa = n * 0
+        qz = (n + BLOCK_M - 1) // BLOCK_M
+        qf = n * 0
+        qe = tl.where(n0 + BLOCK_N <= n, n // BLOCK_M, 0)
+    qf = tl.minimum(tl.maximum(qf, qa), qz)
+    qe = tl.minimum(tl.maximum(qe, qf), qz)
+    return cb * BLOCK_M, qa * BLOCK_M, qf * BLOCK_M, qe * BLOCK_M, qz * BLOCK_M
+
+
+# --------------------------------------------------------------------------------------------
+# Row tiles of a [n, D] operand: one code path for descriptors (TMA) and pointers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rows(base, n, D, stride_m, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """The [n, D] operand of one (sequence, head) at ``base`` (row stride ``stride_m``): a device-side
+    tensor descriptor ending at row n (TMA: zero-filled loads and dropped stores past it), or the
+    pointer itself."""
+    if TMA:
+        src = tl.make_tensor_descriptor(base, shape=[n, D], strides=[stride_m, 1], block_shape=[BLOCK, BLOCK_D])
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def _load_rows(src, r0, n, D, stride_m, stride_d, MASKED: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
+               BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [r0, r0 + BLOCK) of ``_rows(...)``, zeros outside [n, D]. Pointer loads mask the rows only
+    when MASKED (the full blocks of the key loops lie inside the sequence), the columns unless EVEN_D."""
+    if TMA:
+        x = src.load([r0, 0])
+    else:
+        offs = r0 + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = src + offs[:, None].to(tl.int64) * stride_m + offs_d[None, :] * stride_d
+        if MASKED:
+            x = tl.load(ptrs, mask=(offs[:, None] < n) & (offs_d[None, :] < D), other=0.0)
+        elif EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(dst, r0, x, n, D, stride_m, stride_d, TMA: tl.constexpr, BLOCK: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """Rows [r0, r0 + BLOCK) of ``x`` into ``_rows(...)``; nothing outside [n, D] is written."""
+    if TMA:
+        dst.store([r0, 0], x)
+    else:
+        offs = r0 + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.store(dst + offs[:, None].to(tl.int64) * stride_m + offs_d[None, :] * stride_d, x,
+                 mask=(offs[:, None] < n) & (offs_d[None, :] < D))
