@@ -184,6 +184,10 @@ def rewrite_dynamo_graph(gm: torch.fx.GraphModule, module_state: dict | None = N
             aten_gm = _compat.trace_aten(canon, _compat.placeholder_values(canon))
             if _compat.mutates(aten_gm):  # in-place ops: read as data flow (functionalised)
                 aten_gm = _compat.trace_aten_functional(canon, _compat.placeholder_values(canon))
+                # functionalisation leaves dead views of mutated tensors; a dead user is still a user to
+                # the structural checks ("consumed by ...")
+                aten_gm.graph.eliminate_dead_code()
+                aten_gm.recompile()
         specialise_float_inputs(canon, aten_gm)  # dynamic=True: floats read with .item() (float_inputs.py)
     with stage("rewriters"), fake_mode, constants.known(module_state):
         report = run_rewriters(aten_gm)

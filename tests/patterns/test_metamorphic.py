@@ -105,3 +105,13 @@ def test_inplace_scale_of_the_scores_is_read():
     rec = M.run(57, ["scale_move", "inplace"], "compile_static")
     assert rec.changed == {"scale_move": 1, "inplace": 1}, rec.sites
     assert rec.numeric_ok, (rec.numeric_err, rec.counts, rec.sites)
+
+
+def test_dead_view_left_by_functionalisation_is_no_consumer():
+    """Seed 21032: the output scale moved above its transpose and made in place (``matmul.div_(16)``, then
+    the transpose). The functional retrace leaves a dead transpose of the scaled product beside the live
+    one; counted as a consumer it made the output "not laid out as [B, N, ...]" and declined the attention."""
+    rec = M.run(21032, ["scale_move", "inplace", "sizes_coincide", "reassoc"], "compile_static")
+    assert rec.changed.get("inplace") and rec.changed.get("scale_move"), rec.sites
+    assert rec.outcome == "rewritten", (rec.outcome, rec.reasons)
+    assert rec.numeric_ok, (rec.numeric_err, rec.counts, rec.sites)
