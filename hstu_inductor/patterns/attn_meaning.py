@@ -105,6 +105,9 @@ def _prove(gm, plan, sub) -> None:
         law = [(int(sympy.sympify(plan.N).xreplace({sym: b[sym]})), c, b) for b, c, _ in consts]
         assign_scale(plan, scale_leaf, *n_law(law, rest))
     else:
+        if not all(math.isclose(c, consts[0][1], rel_tol=1e-9) for _, c, _ in consts):
+            raise Decline("attention scale changes with the sizes besides N (e.g. 1/L): not one constant "
+                          f"({', '.join(f'{c:.6g}' for _, c, _ in consts)})")
         assign_scale(plan, scale_leaf, consts[0][1] * float(sympy.sympify(rest)), None)
 
 

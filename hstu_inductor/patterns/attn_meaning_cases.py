@@ -210,15 +210,19 @@ def _padding_rows(ch):
 
 def _bindings(plan, hint):
     """Values of the size symbols the float part is evaluated at: the hints, and for a symbolic N
-    two more values of it (its law, constant or ``1/N``, is checked over them)."""
+    two more values of it (its law, constant or ``1/N``, is checked over them). When other sizes are
+    symbolic (``L``, ``B``), one more binding moves them all: a score constant that changes with them
+    (``1 / n_b`` of a batch of one is ``1 / L``) is no constant the op could take."""
     base = {s: int(v) for s, v in hint.items()}
-    if isinstance(plan.N, int) or sympy.sympify(plan.N).is_Integer:
-        return [base]
+    Nsyms = sympy.sympify(plan.N).free_symbols
+    others = [s for s in base if s not in Nsyms]
+    moved = [{**base, **{s: base[s] + 1 for s in others}}] if others else []
+    if not Nsyms:
+        return [base, *moved]
     out = []
-    Nexpr = sympy.sympify(plan.N)
-    (sym,) = Nexpr.free_symbols
+    (sym,) = Nsyms
     for extra in (0, 3, 11):
         b = dict(base)
         b[sym] = base.get(sym, 8) + extra
         out.append(b)
-    return out
+    return out + moved

@@ -91,9 +91,21 @@ def _hstu_layers_of_near_miss(s: Sample) -> int:
     return _layers(s) - 1 if s.mutation == "extra_user" else 0
 
 
-def _outcome(s: Sample, counts: dict) -> str:
+# Static modes with one sequence of a fixed length: a per-sequence or batch-max scale 1/n_b is the
+# constant 1/L there, so such a sample computes HSTU's values and must be rewritten (by value, not label).
+_STATIC_BATCH_OF_ONE = ("fake_one",)
+
+
+def expected_hstu(s: Sample, mode: str) -> bool:
+    """Whether the sample computes HSTU attention at ``mode``'s sizes."""
+    if s.mutation == "nonconst_scale" and mode in _STATIC_BATCH_OF_ONE:
+        return True
+    return s.expected_hstu
+
+
+def _outcome(s: Sample, counts: dict, mode: str = "") -> str:
     n = counts.get("attention", 0)
-    if not s.expected_hstu:
+    if not expected_hstu(s, mode):
         return "false_positive" if n > _hstu_layers_of_near_miss(s) else "near_miss_kept"
     return "rewritten" if n >= _layers(s) else ("partial" if n else "declined")
 
@@ -244,13 +256,13 @@ def record_error(rec, e: Exception) -> None:
 def run(seed_or_sample, mode: str, grads: bool = False) -> Record:
     """One sample in one mode; never raises (an exception is recorded as ``outcome="error"``)."""
     s = seed_or_sample if isinstance(seed_or_sample, Sample) else sample(seed_or_sample)
-    rec = Record(s.seed, mode, dict(s.choices), s.expected_hstu)
+    rec = Record(s.seed, mode, dict(s.choices), expected_hstu(s, mode))
     start = time.perf_counter()
     try:
         report = _fake(s, mode, rec) if mode.startswith("fake") else _compiled(s, mode, rec, grads)
         rec.counts, rec.graphs = dict(report.counts), report.graphs
         rec.reasons = [r for k, r in report.near_misses if k == "attention"]
-        rec.outcome = _outcome(s, rec.counts)
+        rec.outcome = _outcome(s, rec.counts, mode)
     except Exception as e:  # recorded, not raised: one bad model must not stop a measurement
         record_error(rec, e)
     finally:
