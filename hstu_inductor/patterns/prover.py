@@ -41,6 +41,11 @@ class TooLarge(Decline):
     proof, which does not depend on the sizes)."""
 
 
+class Unprobeable(TooLarge):
+    """The probes cannot take these sizes (a static row count that their lengths must sum to, while
+    the jagged rows are an unbacked symbol): like :class:`TooLarge`, the cross-check is skipped."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Subgraph closure and evaluation
 
@@ -176,7 +181,7 @@ def solve_binding(pairs: list, base: dict) -> dict:
         free = list(expr.free_symbols)
         if not free:
             if int(expr) != value:
-                raise Decline(f"static size {expr} cannot take probe value {value}")
+                raise Unprobeable(f"static size {expr} cannot take probe value {value}")
             continue
         if len(free) != 1:
             raise Decline(f"size {expr} has several symbols")

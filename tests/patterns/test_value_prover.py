@@ -244,6 +244,17 @@ def test_decide_refutes_with_a_counterexample():
     assert ok
 
 
+def test_a_coordinate_over_an_empty_dim_proves_nothing_else():
+    """A coordinate over an empty dim (``offsets[1:-1]`` of a batch of one) has no value; its range must not
+    enter the facts of formulas that do not read it, where it would make every formula valid."""
+    dom = Domain(4, 16, 40)
+    b, p, r = dom.row()
+    dom.coord("z", 0)
+    ok, cex = decide.valid(dom, sympy.Lt(p + 1, dom.length(b)))
+    assert ok is False and isinstance(cex, dict)
+    assert decide.Equivalence(dom, sympy.Lt(p, dom.length(b))).check(sympy.Lt(p + 1, dom.length(b))) is False
+
+
 class _TwoWrites(torch.nn.Module):
     """A pad that writes row ``p // 2``: two jagged rows land in one slot (not injective)."""
 

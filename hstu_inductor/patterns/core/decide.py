@@ -177,25 +177,39 @@ class Facts:
     def __init__(self, dom: Domain, extra=()):
         self.dom = dom
         self.extra = list(extra)
+        self.assumed = False  # facts of the input contract beyond the sizes' own: checked consistent
 
     def formula(self, tr: _Translator):
         dom = self.dom
         fs = []
-        for s, (lo, hi) in dom.ranges.items():
-            x = tr(s)
-            fs += [x >= tr(lo), x <= tr(hi)]
+        # Only the coordinates the formula reads (and those their facts name) are constrained: every
+        # coordinate is a "for all" of its own, and one over an empty dim (``offsets[1:-1]`` of a batch of
+        # one) would otherwise make all facts contradictory, so every formula valid.
+        fs += [tr(e) for e in self.extra]
+        done: set = set()
+        while True:
+            todo = [x for x in list(tr.vars) if x not in done]
+            if not todo:
+                break
+            for x in todo:
+                done.add(x)
+                if x in dom.ranges:
+                    lo, hi = dom.ranges[x]
+                    fs += [tr(x) >= tr(lo), tr(x) <= tr(hi)]
+                if x in dom.rows:
+                    fs.append(tr(x) < tr(dom.length(dom.rows[x])))
+                for b, n in dom.lengths.items():
+                    if x in (b, n):
+                        fs.append(tr(off(b)) + tr(n) <= tr(dom.L))
+                        fs.append(tr(off(b)) >= 0)
+                        fs.append(tr(off(b + 1)) == tr(off(b)) + tr(n))  # links n_b to the other offsets
         for s in _size_symbols(dom):
             fs.append(tr(s) >= 1)
         for r in dom.row_sizes:  # per-token inputs have the L rows: their contract, which the op checks
-            if sympy.expand(sympy.sympify(r) - dom.L) != 0:
+            d = sympy.expand(sympy.sympify(r) - dom.L)
+            if d != 0 and not d.is_number:  # a symbol of its own (dynamic shapes, an unbacked row count)
                 fs.append(tr(r) == tr(dom.L))
-        for p, b in dom.rows.items():
-            fs.append(tr(p) < tr(dom.length(b)))
-        for b, n in dom.lengths.items():
-            fs.append(tr(off(b)) + tr(n) <= tr(dom.L))
-            fs.append(tr(off(b)) >= 0)
-            fs.append(tr(off(b + 1)) == tr(off(b)) + tr(n))  # links n_b to the other offsets (off(B) = L)
-        fs += [tr(e) for e in self.extra]
+                self.assumed = True
         # applications of off / tgt seen while translating (including those of the facts)
         seen = []
         for a in list(tr.apps):
@@ -250,7 +264,10 @@ def valid(dom: Domain, formula, assume=()):
     tr = _Translator()
     goal = tr(formula)
     assumptions = [tr(a) for a in assume]
-    facts = Facts(dom).formula(tr)  # after the goal: its applications get their facts too
+    F = Facts(dom)
+    facts = F.formula(tr)  # after the goal: its applications get their facts too
+    if F.assumed and not _consistent(facts):
+        return None, "the sizes contradict the input contract"
     s = _solver()
     s.add(facts, *assumptions, z3.Not(goal))
     r = s.check()
@@ -260,6 +277,13 @@ def valid(dom: Domain, formula, assume=()):
         m = s.model()
         return False, {str(d): m[d] for d in m.decls()}
     return None, s.reason_unknown()
+
+
+def _consistent(facts) -> bool:
+    """Whether ``facts`` hold somewhere: contradictory facts would make every formula valid."""
+    s = _solver()
+    s.add(facts)
+    return s.check() == z3.sat
 
 
 def equal(dom: Domain, a, b, assume=()):
@@ -324,8 +348,12 @@ class Equivalence:
         for m in self.models:
             if z3.is_false(m.eval(same, model_completion=True)):
                 return False
+        F = Facts(self.dom)
+        facts = F.formula(self.tr)
+        if F.assumed and not _consistent(facts):
+            return False
         s = _solver()
-        s.add(Facts(self.dom).formula(self.tr), *self.assume, z3.Not(same))
+        s.add(facts, *self.assume, z3.Not(same))
         r = s.check()
         if r == z3.sat:
             self.models.append(s.model())
