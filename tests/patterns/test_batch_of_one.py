@@ -59,3 +59,35 @@ def test_plain_attention_batch_of_one(fresh_dynamo):
         got = torch.compile(attn, backend="hstu_eager")(q, k, v, off, nt)
     assert report.counts.get("attention", 0) == 1, report
     assert _rel(got, want) < 1e-5
+
+
+def _length_scaled(q, k, v, offsets, how):
+    """Attention scaled by ``1/n_b`` (``per_seq``) or ``1/max(n_b)`` (``max``): at a batch of one with a
+    fixed length both are the constant ``1/L``, i.e. HSTU's values; otherwise a near miss."""
+    lengths = offsets[1:] - offsets[:-1]
+    B, N = lengths.numel(), 16
+    seg = torch.repeat_interleave(torch.arange(B), lengths, output_size=q.shape[0])
+    pos = torch.arange(q.shape[0]) - offsets[seg]
+
+    def pad(t):
+        return t.new_zeros(B, N, *t.shape[1:]).index_put((seg, pos), t)
+    s = torch.einsum("bnhd,bmhd->bhnm", pad(q), pad(k))
+    scale = 1.0 / lengths.max() if how == "max" else 1.0 / lengths[:, None, None, None]
+    p = torch.nn.functional.silu(s) * torch.ones(N, N).tril() * scale
+    return torch.einsum("bhnm,bmhd->bnhd", p, pad(v))[seg, pos]
+
+
+@pytest.mark.parametrize("how", ["per_seq", "max"])
+def test_length_scale_is_hstu_only_at_a_static_batch_of_one(fresh_dynamo, how):
+    """Static B = 1: rewritten (``max`` over the batch of one is its one element) and eager-equal; the same
+    spelling with two sequences stays a near miss."""
+    g = torch.Generator().manual_seed(7)
+    for lengths, want in (([11], 1), ([11, 5], 0)):
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        q, k, v = (torch.randn(int(offsets[-1]), 2, 8, generator=g) for _ in range(3))
+        torch._dynamo.reset()
+        with collecting() as report, torch.no_grad():
+            got = torch.compile(lambda *a: _length_scaled(*a, how), backend="hstu_eager", dynamic=False)(
+                q, k, v, offsets)
+        assert report.counts.get("attention", 0) == want, report
+        assert _rel(got, _length_scaled(q, k, v, offsets, how)) < 1e-5

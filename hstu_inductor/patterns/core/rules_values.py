@@ -261,8 +261,33 @@ def _tri(E, n, idx):
     return _cast(select(keep, x, sympy.Integer(0) if not is_bool(x) else sympy.false), _dtype(n))
 
 
+def _reduced_dims(n, ndim) -> list:
+    """The dims a reduction reduces: all without a dim argument (``max(x)``), else the ones named."""
+    dims = n.args[1] if len(n.args) > 1 and not isinstance(n.args[1], torch.dtype) else n.kwargs.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(ndim))
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return sorted(d % ndim for d in dims)
+
+
 @rule(_op("max"), _op("min"), _op("amax"), _op("amin"), _op("sum"), _op("mean"), _op("max", "dim"),
       _op("min", "dim"), _op("mean", "dim"), _op("prod"))
 def _batch_reduction(E, n, idx):
+    a = n.args[0]
+    shape = E.shape(a)
+    dims = _reduced_dims(n, len(shape))
+    if n.target not in (_op("max", "dim"), _op("min", "dim")) and all(sympy.sympify(shape[d]) == 1 for d in dims):
+        # over size-1 dims only (a batch of one): the element itself
+        keep = bool(n.args[2]) if len(n.args) > 2 and isinstance(n.args[2], bool) else bool(n.kwargs.get("keepdim"))
+        it = iter(idx)
+        src = []
+        for d in range(len(shape)):
+            if d in dims:
+                if keep:
+                    next(it)
+                src.append(sympy.Integer(0))
+            else:
+                src.append(next(it))
+        return _cast(E.at(_src(E, n), tuple(src)), _dtype(n))
     raise Unsupported(f"{_opname(n)} ({n.name}) reduces over the batch: a value of the whole batch, neither a "
                       f"constant nor proportional to 1/N")
