@@ -107,7 +107,9 @@ class _Spelling(torch.nn.Module):
         return self.fn(q, k, v, offsets)
 
 
-@pytest.mark.parametrize("name", ["einsum_index_put_tril", "matmul_index_copy_where"])
+# `make test` exports one spelling; `-m slow` the other too (the export path is the same)
+@pytest.mark.parametrize("name", ["einsum_index_put_tril",
+                                  pytest.param("matmul_index_copy_where", marks=pytest.mark.slow)])
 def test_attention_spelling_export(name, tmp_path):
     torch.manual_seed(11)
     model = _Spelling(getattr(sp, name))

@@ -141,7 +141,8 @@ def test_max_autotune_mode_rewritten():
     assert ((out - ref).norm() / ref.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("style", ["gr", "tzrec"])
+# each style in one mode under `make test` (static gr, dynamic tzrec), the other under `-m slow`
+@pytest.mark.parametrize("style", ["gr", pytest.param("tzrec", marks=pytest.mark.slow)])
 def test_public_style_stacks_static_production_sizes(style):
     """GR- and tzrec-style stacks (fbgemm pads, per-row scale, window + contextual, group norm,
     late silu) at a static B=16, N=2048: 3 rewrites per layer on the first compile."""
@@ -172,7 +173,7 @@ def test_public_style_stacks_static_production_sizes(style):
     assert report.counts == {"attention": 2, "preprocess": 2, "output": 2}, report.near_misses
 
 
-@pytest.mark.parametrize("style", ["gr", "tzrec"])
+@pytest.mark.parametrize("style", [pytest.param("gr", marks=pytest.mark.slow), "tzrec"])
 def test_public_style_stacks_dynamic_true(style):
     """The same stacks under dynamic=True: rewritten, outputs and gradients equal to eager."""
     pytest.importorskip("fbgemm_gpu")
