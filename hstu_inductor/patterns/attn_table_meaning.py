@@ -20,7 +20,7 @@ import torch
 
 from . import attn_layout as lay
 from .attn_find import meta_val
-from .attn_tables import _POSITION
+from .attn_tables import _POSITION, gap_decline
 from .core import decide
 from .core.domain import off
 from .core.elements import Elements
@@ -117,8 +117,7 @@ def _prove_gap(tc, ch, E, icoords, ts, leaves) -> None:
     want = tspad(sympy.Min(ch.i + 1, N - 1)) - tspad(ch.j)
     ok, _ = decide.valid(dom, sympy.Eq(gap, want, evaluate=False), ch.in_seq())
     if not ok:
-        raise Decline(f"time table {tc.ts.name} is not read at bucket(ts(next(i)) - ts(j)) of the "
-                      f"{'padded' if tc.dense else '0-padded'} timestamps")
+        raise gap_decline(tc)
 
 
 def _value_chain(tc):

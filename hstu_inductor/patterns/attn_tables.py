@@ -312,6 +312,12 @@ def _stamps(tc, G, src, plan):
     raise Decline("timestamps are neither a jagged [L] tensor padded in the graph nor a [B, N] tensor")
 
 
+def gap_decline(tc) -> Decline:
+    """The reason a time table is not the op's: read elsewhere than at the gap of ``(next(i), j)``."""
+    return Decline(f"time table {tc.ts.name} is not read at bucket(ts(next(i)) - ts(j)) of the "
+                   f"{'padded' if tc.dense else '0-padded'} timestamps")
+
+
 def _chain_fn(chain, G):
     """The bucket as a function of a 1-D CPU gap tensor: the chain's value ops on it, position ops
     skipped, constants evaluated on CPU (run outside the fake mode: ``attn_prove.numeric_proof``)."""
@@ -508,8 +514,7 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
         nxt = (torch.arange(Np) + 1).clamp(max=Np - 1)
         ref = buckets_from_bounds(tsp[:, nxt][:, :, None] - tsp[:, None, :], tc.bounds)
         if not torch.equal(idx[tc.ts], ref[bb[sel], ii[sel], jj[sel]]):
-            raise Decline(f"time table {tc.ts.name} is not read at bucket(ts(next(i)) - ts(j)) of the "
-                          f"{'padded' if tc.dense else '0-padded'} timestamps")
+            raise gap_decline(tc)
     rnd = {T: probe_values(tshape[T], gen) for T in tabs}
     want = sum(rnd[T].reshape(-1)[idx[T]] for T in tabs)
     if not close(at(rnd)[sel], want):

@@ -20,7 +20,7 @@ from typing import Optional
 import sympy
 
 from .domain import Domain, off, tgt
-from .values import Unsupported, boolean, check_budget, is_bool
+from .values import TORCH_DIVS, Unsupported, boolean, check_budget, is_bool
 
 try:
     import z3
@@ -144,7 +144,7 @@ class _Translator:
         if isinstance(e, sympy.Implies):
             return z3.Implies(self.tr(e.args[0]), self.tr(e.args[1]))
         name = type(e).__name__
-        if name in ("FloorDiv", "CleanDiv"):  # torch's size arithmetic (torch.utils._sympy.functions)
+        if name in TORCH_DIVS:  # torch's size arithmetic
             a, d = self.tr(e.args[0]), self.tr(e.args[1])
             return a / d if z3.is_int(a) and z3.is_int(d) else z3.ToInt(self._real(a) / self._real(d))
         if name in ("PythonMod", "Mod") and len(e.args) == 2:
@@ -186,7 +186,9 @@ class Facts:
         # coordinate is a "for all" of its own, and one over an empty dim (``offsets[1:-1]`` of a batch of
         # one) would otherwise make all facts contradictory, so every formula valid.
         fs += [tr(e) for e in self.extra]
+        seq_of = {x: b for b, n in dom.lengths.items() for x in (b, n)}  # a sequence and its length
         done: set = set()
+        linked: set = set()
         while True:
             todo = [x for x in list(tr.vars) if x not in done]
             if not todo:
@@ -198,11 +200,13 @@ class Facts:
                     fs += [tr(x) >= tr(lo), tr(x) <= tr(hi)]
                 if x in dom.rows:
                     fs.append(tr(x) < tr(dom.length(dom.rows[x])))
-                for b, n in dom.lengths.items():
-                    if x in (b, n):
-                        fs.append(tr(off(b)) + tr(n) <= tr(dom.L))
-                        fs.append(tr(off(b)) >= 0)
-                        fs.append(tr(off(b + 1)) == tr(off(b)) + tr(n))  # links n_b to the other offsets
+                b = seq_of.get(x)
+                if b is not None and b not in linked:  # once per sequence, from its symbol or its length
+                    linked.add(b)
+                    n = dom.lengths[b]
+                    fs.append(tr(off(b)) + tr(n) <= tr(dom.L))
+                    fs.append(tr(off(b)) >= 0)
+                    fs.append(tr(off(b + 1)) == tr(off(b)) + tr(n))  # links n_b to the other offsets
         for s in _size_symbols(dom):
             fs.append(tr(s) >= 1)
         for r in dom.row_sizes:  # per-token inputs have the L rows: their contract, which the op checks
@@ -264,9 +268,8 @@ def valid(dom: Domain, formula, assume=()):
     tr = _Translator()
     goal = tr(formula)
     assumptions = [tr(a) for a in assume]
-    F = Facts(dom)
-    facts = F.formula(tr)  # after the goal: its applications get their facts too
-    if F.assumed and not _consistent(facts):
+    facts = _checked_facts(dom, tr)  # after the goal: its applications get their facts too
+    if facts is None:
         return None, "the sizes contradict the input contract"
     s = _solver()
     s.add(facts, *assumptions, z3.Not(goal))
@@ -279,11 +282,17 @@ def valid(dom: Domain, formula, assume=()):
     return None, s.reason_unknown()
 
 
-def _consistent(facts) -> bool:
-    """Whether ``facts`` hold somewhere: contradictory facts would make every formula valid."""
-    s = _solver()
-    s.add(facts)
-    return s.check() == z3.sat
+def _checked_facts(dom: Domain, tr: _Translator):
+    """The facts of ``dom`` for what ``tr`` translated; None when the input contract they assume
+    contradicts the sizes (contradictory facts would make every formula valid)."""
+    F = Facts(dom)
+    facts = F.formula(tr)
+    if F.assumed:
+        s = _solver()
+        s.add(facts)
+        if s.check() != z3.sat:
+            return None
+    return facts
 
 
 def equal(dom: Domain, a, b, assume=()):
@@ -348,9 +357,8 @@ class Equivalence:
         for m in self.models:
             if z3.is_false(m.eval(same, model_completion=True)):
                 return False
-        F = Facts(self.dom)
-        facts = F.formula(self.tr)
-        if F.assumed and not _consistent(facts):
+        facts = _checked_facts(self.dom, self.tr)
+        if facts is None:
             return False
         s = _solver()
         s.add(facts, *self.assume, z3.Not(same))

@@ -83,14 +83,14 @@ def exact_divisions(e):
     """``e`` with each of torch's floor divisions that divides exactly (``(N**2) // N``, left by a
     view of a flattened ``[N, N]``) replaced by its polynomial quotient: the index arithmetic then
     stays linear in the coordinates, which keeps z3's queries quick and their time predictable."""
-    if not isinstance(e, sympy.Basic) or not any(type(a).__name__ in _TORCH_DIVS for a in sympy.preorder_traversal(e)):
+    if not isinstance(e, sympy.Basic) or not any(type(a).__name__ in TORCH_DIVS for a in sympy.preorder_traversal(e)):
         return e
 
     def walk(x):
         if not x.args:
             return x
         x = x.func(*[walk(a) for a in x.args])
-        if type(x).__name__ in _TORCH_DIVS:
+        if type(x).__name__ in TORCH_DIVS:
             q = sympy.cancel(x.args[0] / x.args[1])
             if sympy.fraction(q)[1] == 1 and not q.is_number:
                 return q
@@ -98,7 +98,7 @@ def exact_divisions(e):
     return walk(e)
 
 
-_TORCH_DIVS = ("FloorDiv", "CleanDiv")  # torch.utils._sympy.functions
+TORCH_DIVS = ("FloorDiv", "CleanDiv")  # torch.utils._sympy.functions
 
 
 def size_expr(s):
