@@ -15,7 +15,12 @@ causal, alpha = 1/D):
   - ``hstu_tables``: path (b), the bias computed in the kernels, table gradients reduced in-kernel;
   - ``hstu_tables_dense``: path (a) on ``reference.relative_bias(...)`` (the ``[B, 1, N, N]`` bias
     materialised by PyTorch each step, its gradient scattered into the tables by autograd);
+  - ``hstu_tables_compiled_dense``: path (a) as the backend runs it on a table model: the bias built by
+    Inductor (``torch.compile(relative_bias)``), the op with the dense bias;
   - ``inductor_tables``: stock Inductor on the plain model (``relative_bias`` + ``hstu_mha``).
+- breakdown of path (b): ``hstu_tables_pos`` / ``hstu_tables_ts`` (one table), ``hstu_tables_frozen`` (no
+  table gradients), ``hstu_tables_fwd`` and ``hstu_no_rab_fwd`` (forward only). ``--profile`` adds the
+  CUDA time per kernel of each provider (torch.profiler) to the log.
 
 For each: forward+backward time (``do_bench`` median), TFLOP/s with the FLOP count of
 HSTU_SEMANTICS.md (the bias adds no matrix FLOPs), the peak memory of one forward+backward above
@@ -40,7 +45,9 @@ from _common import write_csv  # noqa: E402
 
 log = logging.getLogger("rab_attention")
 PROVIDERS = ["hstu_no_rab", "hstu_rab_1h", "hstu_rab_b1", "inductor_rab_1h", "hstu_tables", "hstu_tables_dense",
-             "inductor_tables"]
+             "hstu_tables_compiled_dense", "inductor_tables"]
+# where path (b)'s time goes: one table, frozen tables (no table gradients), forward only
+BREAKDOWN = ["hstu_tables_pos", "hstu_tables_ts", "hstu_tables_frozen", "hstu_tables_fwd", "hstu_no_rab_fwd"]
 NUM_BUCKETS = 128
 
 
@@ -57,13 +64,25 @@ def _timestamps(lengths, g):
     return torch.cat(parts).to(torch.int64)
 
 
+def _profile(step, title):
+    """CUDA time per kernel over 5 steps, the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
+    log.info("%s: %s", title, "; ".join(f"{e.key[:48]} {e.device_time_total / 5e3:.3f} ms" for e in rows))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)
+    ap.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS + BREAKDOWN)
+    ap.add_argument("--profile", action="store_true", help="log the CUDA time per kernel of each provider")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
     args = ap.parse_args()
@@ -95,10 +114,13 @@ def main():
         ref_fn = torch.compile(lambda q, k, v, r: hstu_mha(N, alpha, q, k, v, off, rab=r))
         ref_tab = torch.compile(lambda q, k, v, p, t: hstu_mha(N, alpha, q, k, v, off,
                                                                rab=relative_bias(ts, off, N, p, t).to(dt)))
+        bias_compiled = torch.compile(relative_bias)
         for prov in args.providers:
             tables = "tables" in prov
-            rab = None if prov == "hstu_no_rab" or tables else rabs[prov[-2:]]
-            ins = (q, k, v) + ((rab,) if rab is not None else ()) + ((pos_w, ts_w) if tables else ())
+            rab = None if prov.startswith("hstu_no_rab") or tables else rabs[prov[-2:]]
+            tabs = {"hstu_tables_pos": (pos_w, None), "hstu_tables_ts": (None, ts_w)}.get(prov, (pos_w, ts_w))
+            grads = () if prov == "hstu_tables_frozen" else tuple(t for t in tabs if t is not None) if tables else ()
+            ins = (q, k, v) + ((rab,) if rab is not None else ()) + grads
 
             if prov == "inductor_tables":
                 def fwd():
@@ -107,9 +129,16 @@ def main():
                 def fwd():
                     return torch.ops.hstu.attention(q, k, v, off, N, alpha,
                                                     rab=relative_bias(ts, off, N, pos_w, ts_w).to(dt))
-            elif prov == "hstu_tables":  # path (b)
+            elif prov == "hstu_tables_compiled_dense":
                 def fwd():
-                    return torch.ops.hstu.attention(q, k, v, off, N, alpha, timestamps=ts, pos_w=pos_w, ts_w=ts_w)
+                    return torch.ops.hstu.attention(q, k, v, off, N, alpha,
+                                                    rab=bias_compiled(ts, off, N, pos_w, ts_w).to(dt))
+            elif tables:  # path (b)
+                p_w, t_w = (tabs[0], tabs[1]) if prov != "hstu_tables_frozen" else (pos_w.detach(), ts_w.detach())
+
+                def fwd():
+                    return torch.ops.hstu.attention(q, k, v, off, N, alpha, timestamps=ts if t_w is not None else None,
+                                                    pos_w=p_w, ts_w=t_w)
             elif prov.startswith("inductor"):
                 def fwd():
                     return ref_fn(q, k, v, rab)
@@ -117,8 +146,13 @@ def main():
                 def fwd():
                     return torch.ops.hstu.attention(q, k, v, off, N, alpha, rab=rab)
 
-            def step():
-                return torch.autograd.grad(fwd(), ins, do)
+            if prov.endswith("_fwd"):
+                def step():
+                    with torch.no_grad():
+                        return fwd()
+            else:
+                def step():
+                    return torch.autograd.grad(fwd(), ins, do)
 
             try:
                 step()
@@ -130,14 +164,17 @@ def main():
                 peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
                 peak_total = torch.cuda.max_memory_allocated() / 2 ** 20
                 ms = do_bench(step, rep=args.rep, return_mode="median")
-            except torch.OutOfMemoryError:
-                rows.append(dict(N=N, provider=prov, ms="OOM", tflops="", peak_mib="", peak_total_mib="",
+            except Exception as e:  # noqa: BLE001  (out of memory, or a kernel that does not fit: report, go on)
+                what = "OOM" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
+                rows.append(dict(N=N, provider=prov, ms=what, tflops="", peak_mib="", peak_total_mib="",
                                  rel_err_out="", rel_err_bias_grad=""))
-                log.info("N=%d %-18s out of memory", N, prov)
+                log.info("N=%d %-18s failed: %s", N, prov, (str(e).strip().splitlines() or [what])[-1][:200])
                 torch.cuda.empty_cache()
                 continue
+            if args.profile:
+                _profile(step, f"N={N} {prov}")
             err = grad_err = float("nan")
-            if prov != "hstu_no_rab" and N <= 1024:  # the fp32 eager reference holds several [B, H, N, N] tensors
+            if prov in PROVIDERS[1:] and N <= 1024:  # the fp32 eager reference holds several [B, H, N, N] tensors
                 r32 = [t.detach().float().requires_grad_() for t in ins]
                 bias = relative_bias(ts, off, N, r32[3], r32[4]) if tables else r32[3]
                 ref = hstu_mha(N, alpha, *r32[:3], off, rab=bias)

@@ -46,6 +46,10 @@ def _flag(text: str) -> bool:
     return text == "1"
 
 
+def _tri(text: str):
+    return {"1": True, "0": False}.get(text, text)
+
+
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -89,11 +93,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("capture_dynamic_shape_ops", True, "Frames compiled for this backend are traced with Dynamo's "
            "capture_dynamic_output_shape_ops, so a data-dependent-shape op does not split an HSTU subgraph.",
            False, "HSTU_INDUCTOR_CAPTURE_DYNAMIC_SHAPE_OPS", _flag, _BOOL),
-    # Off because the in-kernel tables are the slower path: 30.7 ms against 5.1 ms for the dense
-    # [B, 1, N, N] rab (H100, B=128, N=1024, fwd+bwd; benchmarks/RESULTS.md, 2026-11-24).
-    Option("rab_tables", False, "A bias proven to be HSTU's position / bucketed-time tables goes to the op's "
-           "in-kernel table bias (no N x N bias in memory) instead of the dense rab.", True,
-           "HSTU_INDUCTOR_RAB_TABLES", _flag, _BOOL),
+    # "auto": in training the in-kernel tables win by far, since the dense path builds the N x N bias and
+    # scatters its gradient into the tables (STU layer step 6.2 ms against 29.5 ms, H200, B=32, N=1024);
+    # without table gradients the dense path is faster (op forward with its bias build 1.5 ms against
+    # 8.2 ms, B=128, N=1024; benchmarks/RESULTS.md, 2026-11-28, "relative attention bias").
+    Option("rab_tables", "auto", "A bias proven to be HSTU's position / bucketed-time tables goes to the op's "
+           "in-kernel table bias (no N x N bias in memory) instead of the dense rab: \"auto\" in graphs that "
+           "compute gradients (training), True always, False never.", True, "HSTU_INDUCTOR_RAB_TABLES",
+           _tri, ("auto", True, False)),
     # Off because a preprocess / output rewrite alone lost to Inductor's fused code in every case measured
     # (0.50-0.85x: H100, STU layer, B=4/32, N=1024; benchmarks/RESULTS.md, "partial rewrites").
     Option("lone_blocks", False, "Rewrite the preprocess / output blocks of a graph whose attention candidates "

@@ -7,10 +7,10 @@ buffer ``triu(ones(N, N), 1)`` and each layer gets ``1.0 - mask``. Training and 
 outputs and the gradients of the inputs and of every parameter are compared with eager.
 
     git clone https://github.com/alibaba/TorchEasyRec /tmp/TorchEasyRec   (read only: one file is loaded)
-    .venv/bin/python scripts/peer_tzrec_hstu.py /tmp/TorchEasyRec [--backend hstu_eager] [--tables]
+    .venv/bin/python scripts/peer_tzrec_hstu.py /tmp/TorchEasyRec [--backend hstu_eager] [--tables auto|on|off]
 
-``--tables`` turns on ``hstu_inductor.config.rab_tables`` (the bias computed inside the kernels from the
-two tables instead of the dense bias the model builds). The file is loaded by path: ``tzrec`` itself
+``--tables`` sets ``hstu_inductor.config.rab_tables``: the bias computed inside the kernels from the two
+tables, or the dense bias the model builds (``auto``, the default: the tables in training). The file is loaded by path: ``tzrec`` itself
 needs more packages than this check, ``hstu.py`` only torch and fbgemm.
 """
 from __future__ import annotations
@@ -105,11 +105,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", default="/tmp/TorchEasyRec")
     ap.add_argument("--backend", default="hstu_eager", choices=["hstu_eager", "hstu"])
-    ap.add_argument("--tables", action="store_true", help="config.rab_tables = True (path b)")
+    ap.add_argument("--tables", choices=["auto", "on", "off"], default="auto",
+                    help="config.rab_tables: auto (the default: tables in training), on (path b), off (dense)")
     args = ap.parse_args()
     hstu = load(args.root)
     ok = True
-    with hstu_inductor.config.patch(rab_tables=args.tables):
+    with hstu_inductor.config.patch(rab_tables={"auto": "auto", "on": True, "off": False}[args.tables]):
         for train in (False, True):
             report, rab, err = run(hstu, args.backend, train)
             c = report.counts

@@ -185,9 +185,36 @@ def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, k
            *(a.dtype for a in args if isinstance(a, torch.Tensor)), *kwargs.items())
     cfg = _CHOSEN.get(key)
     if cfg is None:  # first launch of this key: the Autotuner picks (and benchmarks, when tuning)
-        kern[lambda meta: (grid_x * triton.cdiv(grid_rows, meta[row_block]),)](*args, **kwargs)
-        _CHOSEN[key] = kern.best_config.all_kwargs()
-        return
+        try:
+            kern[lambda meta: (grid_x * triton.cdiv(grid_rows, meta[row_block]),)](*args, **kwargs)
+            _CHOSEN[key] = kern.best_config.all_kwargs()
+            return
+        except triton.runtime.errors.OutOfResources as err:
+            if len(kern.configs) > 1:  # the tuner already skipped configs that do not fit: none did
+                raise
+            # untuned, the one default config can need more shared memory than some bias variants leave
+            _CHOSEN[key] = _fitting_config(kind, size, args, kwargs, grid_x, grid_rows, row_block, err)
+            return
+    rb = cfg[row_block]  # (a + b - 1) // b: triton.cdiv costs ~5 us (see _pow2)
+    _JIT[kind].run(*args, grid=(grid_x * ((grid_rows + rb - 1) // rb),), warmup=False, **kwargs, **cfg)
+
+
+def _fitting_config(kind, size, args, kwargs, grid_x, grid_rows, row_block, err) -> dict:
+    """Launch the first of the tuning list's configs that fits the device (the default one did not: ``err``)
+    and return it."""
+    for c in _GPU_CONFIGS[(kind, size)][1:]:
+        cfg = _cfg(kind, *c)
+        cfg = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+               **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
+        try:
+            rb = cfg[row_block]
+            _JIT[kind].run(*args, grid=(grid_x * ((grid_rows + rb - 1) // rb),), warmup=False, **kwargs, **cfg)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        log.warning("hstu %s: the default config needs more resources than the device has (%s); using %s",
+                    kind, err, cfg)
+        return cfg
+    raise err
     rb = cfg[row_block]  # (a + b - 1) // b: triton.cdiv costs ~5 us (see _pow2)
     _JIT[kind].run(*args, grid=(grid_x * ((grid_rows + rb - 1) // rb),), warmup=False, **kwargs, **cfg)
 

@@ -159,7 +159,7 @@ def _tables(plan, ch) -> None:
     from . import attn_tables
     from .attn_table_meaning import prove_term
 
-    if not config.rab_tables:
+    if config.rab_tables is False:
         return
     checks = attn_tables.analyse(plan)
     for tc in checks:

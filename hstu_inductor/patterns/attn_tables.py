@@ -39,6 +39,7 @@ The thresholds reach the graph as a buffer of the rewritten module (``get_attr``
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 import operator
@@ -123,15 +124,28 @@ def _tensor_leaves(leaves, allowed):
             and constants.value(x) is None]
 
 
+# Whether the graph being rewritten computes gradients (``pipeline.rewrite_dynamo_graph`` sets it from the
+# Dynamo graph's inputs; the ATen retrace's inputs no longer say). Export programs: False.
+TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("hstu_training", default=False)
+
+
+def _wanted(tables) -> bool:
+    """``config.rab_tables``: "auto" takes the tables in training (where the dense path's bias build and its
+    scatter into the tables dominate the step), the dense bias in inference (faster without gradients)."""
+    if config.rab_tables != "auto":
+        return bool(config.rab_tables)
+    return TRAINING.get()
+
+
 def analyse(plan) -> list:
     """A :class:`TermCheck` for every bias term that reads a 1-D float table (structural part)."""
-    if plan.rab is None or not config.rab_tables:
+    if plan.rab is None or config.rab_tables is False:
         return []
     out = []
     for t in plan.rab.terms:
         _, leaves = closure([t.node], set())
         tables = [x for x in leaves if _is_table(x)]
-        if not tables:
+        if not tables or not _wanted(tables):
             continue
         tc = TermCheck(t)
         try:
@@ -197,8 +211,10 @@ def _structure(tc, plan, tables):
             raise Decline("time table of symbolic size (the thresholds depend on its length)")
         _bucket(tc, plan)
     rows = sym_expr(meta_val(plan.q.src).shape[0])
+    # what the bucket reads (its boundaries, a module buffer) is part of the bucket function, not a table
+    bucket_reads = closure([tc.index], set())[1] if tc.index is not None else set()
     rest = [T for T in tables if T is not tc.ts and T is not tc.source  # float [L] timestamps are no table
-            and not (rows.free_symbols and lay.eq(sym_expr(meta_val(T).shape[0]), rows))]
+            and T not in bucket_reads and not (rows.free_symbols and lay.eq(sym_expr(meta_val(T).shape[0]), rows))]
     if len(rest) > 1:
         raise Decline(f"{len(rest)} tables gathered by position (the op takes one)")
     tc.pos = rest[0] if rest else None

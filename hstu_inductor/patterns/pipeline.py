@@ -16,7 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import _compat, config
 from ..report import RewriteReport, publish, stage
-from . import constants
+from . import attn_tables, constants
 from .blocks import fuse_u_silu
 from .canonicalize import canonicalize, grad_losing_njt
 from .float_inputs import specialise_float_inputs
@@ -140,6 +140,13 @@ def _has_layer_norm(gm: torch.fx.GraphModule) -> bool:
     return any(n.op == "call_function" and n.target in norms for n in gm.graph.nodes)
 
 
+def _computes_grads(gm) -> bool:
+    """Grad mode on and a Dynamo input that requires grad (the phase ``cost_rule`` calls "train")."""
+    return torch.is_grad_enabled() and any(
+        isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.requires_grad
+        for n in gm.graph.find_nodes(op="placeholder"))
+
+
 def rewrite_dynamo_graph(gm: torch.fx.GraphModule, module_state: dict | None = None) -> torch.fx.GraphModule | None:
     """Canonicalise a Dynamo (torch-level) graph to ATen and rewrite it.
 
@@ -189,7 +196,11 @@ def rewrite_dynamo_graph(gm: torch.fx.GraphModule, module_state: dict | None = N
                 aten_gm.graph.eliminate_dead_code()
                 aten_gm.recompile()
         specialise_float_inputs(canon, aten_gm)  # dynamic=True: floats read with .item() (float_inputs.py)
-    with stage("rewriters"), fake_mode, constants.known(module_state):
-        report = run_rewriters(aten_gm)
-        aten_gm.meta["hstu_constants"] = sorted(constants.used())
+    token = attn_tables.TRAINING.set(_computes_grads(gm))
+    try:
+        with stage("rewriters"), fake_mode, constants.known(module_state):
+            report = run_rewriters(aten_gm)
+            aten_gm.meta["hstu_constants"] = sorted(constants.used())
+    finally:
+        attn_tables.TRAINING.reset(token)
     return aten_gm if any(report.counts.values()) else None

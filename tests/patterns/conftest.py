@@ -17,7 +17,7 @@ def fresh_dynamo():
 
 @pytest.fixture(autouse=True)
 def _rab_tables_on(request):
-    """The rab pattern tests check the table route (path b), which ``config.rab_tables`` keeps off by
-    default (it is slower than the dense path today); tests that check the default patch it back."""
+    """The rab pattern tests check the table route (path b) in training and inference alike
+    (``config.rab_tables`` defaults to "auto": tables in training only); tests of other values patch them."""
     with hstu_inductor.config.patch(rab_tables=True):
         yield

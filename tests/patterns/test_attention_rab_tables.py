@@ -54,6 +54,10 @@ class TableBias(torch.nn.Module):
             self.ts_emb = torch.nn.Embedding(NB + 1, 1)
         if spelling == "with_head_bias":
             self.head_bias = torch.nn.Parameter(torch.randn(1, H, N, N, generator=g))
+        if spelling == "float_bounds":  # float thresholds in a buffer (not a table), embedding modules
+            self.register_buffer("fbounds", torch.logspace(0, 7, NB, dtype=torch.float64).round())
+            self.pos_emb = torch.nn.Embedding(2 * N - 1, 1)
+            self.ts_emb = torch.nn.Embedding(NB + 1, 1)
         if spelling.startswith("padded_input"):  # thresholds in seconds, kept as module state
             self.register_buffer("bounds", torch.tensor([1, 5, 30, 120, 600, 3600, 4 * 3600, 86400, 7 * 86400,
                                                          30 * 86400, 180 * 86400, 10 ** 9])[:NB])
@@ -120,6 +124,12 @@ class TableBias(torch.nn.Module):
             later = ts if sp == "padded_input_no_next" else ts.gather(1, nxt)
             b = torch.bucketize((later[:, :, None] - ts[:, None, :]).abs(), self.bounds, right=True)
             return (self.pos_w[N - 1 + i[None, :] - i[:, None]] + self.ts_w[b])[:, None]
+        if sp == "float_bounds":  # next(i) by a left shift repeating the last column; bucketize in a buffer
+            tsp = pad(ts, offsets)
+            nxt = torch.cat([tsp[:, 1:], tsp[:, -1:]], dim=1)
+            b = torch.bucketize((nxt.unsqueeze(2) - tsp.unsqueeze(1)).abs(), self.fbounds)
+            pos = self.pos_emb(i.unsqueeze(0) - i.unsqueeze(1) + (N - 1)).squeeze(-1)
+            return (self.ts_emb(b).squeeze(-1) + pos).unsqueeze(1)
         if sp == "near_square":  # (|dt| - 300)^2 as x * x: not monotone in |dt|
             x = _dt_next(pad(ts, offsets)).abs().to(torch.float32) - 300.0
             b = (torch.log((x * x).clamp(min=1.0)) / 1.5).floor().clamp(0, NB).long()
@@ -217,6 +227,7 @@ RECOGNISED = {  # spelling -> (tables expected in the report, a dense rab term e
     "subtracted": ("pos_w=", "ts_w="),
     "searchsorted": ("pos_w=", "ts_w="),
     "padded_input": ("pos_w=", "ts_w="),
+    "float_bounds": ("pos_w=", "ts_w="),
 }
 
 
@@ -248,6 +259,16 @@ def test_boundary_buffer_changed_after_compile(fresh_dynamo):
         model.bounds.mul_(3)
         torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-4, atol=1e-5)
     assert "tables:" in _tables_call(report)[0], report
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+def test_rab_tables_auto(train, fresh_dynamo):
+    """``config.rab_tables = "auto"`` (the default): the tables in training, where the dense path's bias
+    build and its scatter into the tables dominate; the dense bias without gradients. Both eager-equal."""
+    import hstu_inductor
+
+    with hstu_inductor.config.patch(rab_tables="auto"):
+        _check(TableBias("float_bounds"), train=train, expect_tables=train)
 
 
 def test_tables_and_dense_term(fresh_dynamo):
