@@ -94,8 +94,9 @@ _SHAPES = {"m16": Plan(16, 16, 2, 4, 5), "m16qt": Plan(16, 16, 2, 4, 5, qsmem=Tr
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter-sized cases; the gpu-marked tests cover CUDA")
-@pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("shape", ["m16qt", "m32q", "m64t"])
+# one split per shape by default, alternating (the other under -m slow)
+@pytest.mark.parametrize("shape,split", [pytest.param(sh, sp, marks=[pytest.mark.slow] if (k + sp // 3) % 2 else [])
+                                         for k, sh in enumerate(["m16qt", "m32q", "m64t"]) for sp in (1, 3)])
 def test_plans_equal_reference(shape, split, monkeypatch):
     """37 rows in 1-3 row blocks (the last one partial), each split over the key tiles, with every mask option:
     against fp64, outputs poisoned, bitwise repeatable."""

@@ -209,12 +209,14 @@ def _run(fn, compiled, calls, need_nt=False, scale=None, train=False, seed=30, t
 
 
 # training for the spellings whose scale/mask/output handling differs (reference_n and tril_div_n
-# train in the two tests below)
-CASES = [(name, False) for name in SPELLINGS] + [
-    (name, True) for name in ("reference_window_n", "bmm_inv_n_after_pv", "dense_output", "out_times_3_div_n")]
+# train in the two tests below); a spelling that trains checks its forward values there, so its inference
+# case runs under -m slow
+_TRAINED = ("reference_window_n", "bmm_inv_n_after_pv", "dense_output", "out_times_3_div_n")
+CASES = [pytest.param(name, False, marks=[pytest.mark.slow] if name in _TRAINED else [], id=f"{name}-inference")
+         for name in SPELLINGS] + [pytest.param(name, True, id=f"{name}-training") for name in _TRAINED]
 
 
-@pytest.mark.parametrize("name,train", CASES, ids=[f"{n}-{'training' if t else 'inference'}" for n, t in CASES])
+@pytest.mark.parametrize("name,train", CASES)
 def test_symbolic_n_rewritten(name, train, fresh_dynamo):
     fn, need_nt, scale = SPELLINGS[name]
     counter = CompileCounterWithBackend(REWRITE_BACKEND)
