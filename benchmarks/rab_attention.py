@@ -109,7 +109,8 @@ def main():
         ts_w = (0.5 * torch.randn(NUM_BUCKETS + 1, generator=g)).to(dev).requires_grad_()
         rabs = {"1h": (0.5 * torch.randn(1, H, N, N, generator=g)).to(dev, dt).requires_grad_(),
                 "b1": (0.5 * torch.randn(B, 1, N, N, generator=g)).to(dev, dt).requires_grad_()}
-        flops = float(H * (lengths.double() ** 2).sum() * (D + D) + H * (lengths.double() ** 2).sum() * (3 * D + 2 * D))
+        fwd_flops = float(H * (lengths.double() ** 2).sum() * (D + D))
+        bwd_flops = float(H * (lengths.double() ** 2).sum() * (3 * D + 2 * D))
         alpha = 1.0 / D
         ref_fn = torch.compile(lambda q, k, v, r: hstu_mha(N, alpha, q, k, v, off, rab=r))
         ref_tab = torch.compile(lambda q, k, v, p, t: hstu_mha(N, alpha, q, k, v, off,
@@ -146,6 +147,7 @@ def main():
                 def fwd():
                     return torch.ops.hstu.attention(q, k, v, off, N, alpha, rab=rab)
 
+            flops = fwd_flops if prov.endswith("_fwd") else fwd_flops + bwd_flops
             if prov.endswith("_fwd"):
                 def step():
                     with torch.no_grad():

@@ -131,9 +131,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("tile_order", "seq", 'Program order of the attention kernels: "seq" (row blocks of one sequence and head '
            'adjacent: they share K/V in L2) or "block" (block-major, for benchmarks).', True,
            "HSTU_INDUCTOR_TILE_ORDER", allowed=("seq", "block")),
-    Option("bwd_algo", "split", 'The non-deterministic attention backward: "split" (a separate dQ kernel, no '
-           'atomics) or "atomic" (dQ by fp32 atomics).', True, "HSTU_INDUCTOR_BWD_ALGO",
-           allowed=("split", "atomic")),
+    # "auto": split, but atomic with the in-kernel table bias, whose per-element evaluation then runs in two
+    # kernels instead of three (H200, B=128, N=1024 fwd+bwd: 24.1 ms against 29.8; the dense-rab and plain
+    # kernels are faster split: benchmarks/RESULTS.md, 2026-11-28, "relative attention bias").
+    Option("bwd_algo", "auto", 'The non-deterministic attention backward: "split" (a separate dQ kernel, no '
+           'atomics), "atomic" (dQ by fp32 atomics), "auto" (atomic with the in-kernel table bias, else split).',
+           True, "HSTU_INDUCTOR_BWD_ALGO", allowed=("auto", "split", "atomic")),
     Option("dq_mode", 1, 'dQ accumulation of bwd_algo="atomic": 1 pointer atomics, 2 TMA reduce-add, 3 vectorized '
            "red.v2 (sm90).", True, "HSTU_INDUCTOR_DQ_MODE", int, (1, 2, 3)),
     Option("autotune", True, "Autotune the attention kernels (False: one default config each).", True,

@@ -28,14 +28,23 @@ class _Sm90:
         return GPUTarget("cuda", 90, 128)
 
 
-def main(which="pos+ts"):
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def main(which="pos+ts", algo="split"):
+    """``algo``: the backward's ``config.bwd_algo`` (split: the dQ kernel; atomic: dQ in the dK/dV kernel)."""
     triton.runtime.driver.set_active(_Sm90())
     from torch._higher_order_ops import triton_kernel_wrap as W
 
+    from hstu_inductor import config
     from hstu_inductor.kernels import attention as K
 
+    config.bwd_algo = algo
     launches = []
     K._launch = lambda kind, grid_rows, grid_x, block_d, args, kwargs, **kw: launches.append((kind, args, kwargs))
+    K._launcher = lambda kern, args: _NoLaunch()  # the dQ finalize kernel (atomic): no TTIR of interest
     L, H, D, N = 20, 2, 16, 16
     q, k, v, do = (torch.randn(L, H, D) for _ in range(4))
     off = torch.tensor([0, 8, 20])

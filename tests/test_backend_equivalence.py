@@ -31,8 +31,9 @@ def _reset_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(concat_ua=True, group_norm=True, max_attn_len=2)],
-                         ids=["default", "variants"])
+# with every pattern off the model's variant changes nothing of ours: the variants run under -m slow
+@pytest.mark.parametrize("kw", [dict(), pytest.param(dict(concat_ua=True, group_norm=True, max_attn_len=2),
+                                                     marks=pytest.mark.slow)], ids=["default", "variants"])
 def test_hstu_equals_inductor_with_patterns_off(kw):
     base = small_hstu_model(**kw)
     batch = small_hstu_batch()

@@ -17,9 +17,10 @@ Backward: one program per key block keeps dK/dV in registers and walks the query
 see it. dQ is either
   * "atomic": accumulated with fp32 atomics (pointer atomics by default; TMA reduce-add and
     vectorized ``red.v2`` via HSTU_INDUCTOR_DQ_MODE=2/3) into an fp32 buffer, scaled and cast once, or
-  * "split" (the default): computed by a second kernel that walks key blocks per query block (no
-    atomics, bitwise repeatable); it measured as fast or faster at every N on H100
-    (HSTU_INDUCTOR_BWD_ALGO=atomic overrides unless ``deterministic=True``).
+  * "split" (the default without the table bias): computed by a second kernel that walks key blocks per
+    query block (no atomics, bitwise repeatable); it measured as fast or faster at every N on H100. With
+    the in-kernel table bias "atomic" is the default (the bias is evaluated in two kernels, not three).
+    HSTU_INDUCTOR_BWD_ALGO=atomic|split overrides unless ``deterministic=True``.
 
 Optional, behind constexpr switches (off: the compiled kernels are unchanged, scripts/ptx_unchanged.py):
 a dense relative attention bias added before the silu (``HAS_RAB``; its gradient ``RAB_GRAD`` written
@@ -28,7 +29,7 @@ skipping). See docs/semantics.md and docs/kernels.md.
 
 Tuning knobs (``hstu_inductor.config``, each with its environment variable; docs/options.md): ``autotune``
 (HSTU_INDUCTOR_AUTOTUNE=0: one default config, no autotuning), ``silu`` (HSTU_INDUCTOR_SILU=exact|tanh|packed),
-``dq_mode`` (HSTU_INDUCTOR_DQ_MODE=1|2|3), ``bwd_algo`` (HSTU_INDUCTOR_BWD_ALGO=atomic|split), ``tile_order``
+``dq_mode`` (HSTU_INDUCTOR_DQ_MODE=1|2|3), ``bwd_algo`` (HSTU_INDUCTOR_BWD_ALGO=auto|atomic|split), ``tile_order``
 (HSTU_INDUCTOR_TILE_ORDER=seq|block). See docs/kernels.md.
 
 Modules: attention_jit (the shared ``@triton.jit`` helpers), attention_fwd and attention_bwd (the kernels),
@@ -573,8 +574,10 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     # "atomic" = one kernel, dQ through fp32 atomics. Split is the default: with the sequence-major
     # tile order it measured faster at N <= 1024 and tied at 2048 (H100, benchmarks/RESULTS.md, 2026-11-22/23;
     # atomics win at N <= 1024 only in the block-major order, where every tile re-reads Q/dO from DRAM).
-    # config.bwd_algo = "atomic" (HSTU_INDUCTOR_BWD_ALGO=atomic) overrides.
-    split = deterministic or config.get("bwd_algo") == "split"
+    # With the in-kernel table bias "auto" takes atomics: the bias is then evaluated in two kernels, not three.
+    # config.bwd_algo = "atomic" | "split" (HSTU_INDUCTOR_BWD_ALGO) overrides.
+    algo = config.get("bwd_algo")
+    split = deterministic or algo == "split" or (algo == "auto" and not tab_flags)
     # With atomics, pointer loads measured faster than TMA loads in the dK/dV kernel: auto mode uses them.
     tma_dkdv = use_tma and (split or tma is True)
     if use_tma and not _tma_ok(dout):
