@@ -16,8 +16,9 @@ the bias is
 
 both shared by the heads and added to the scaled scores inside the silu; causal mask, ``1/N`` scaling.
 
-Providers: ``inductor`` (stock ``torch.compile``), ``hstu`` (the backend's default), ``hstu_tables``
-(``config.rab_tables = True``: the bias computed in the kernels from the tables, path (b)), and the layer
+Providers: ``inductor`` (stock ``torch.compile``), ``hstu`` (the backend's default: the tables in training),
+``hstu_tables`` (``config.rab_tables = True``: the bias computed in the kernels from the tables, path (b)),
+``hstu_dense`` (``config.rab_tables = False``: the dense bias built by Inductor, path (a)), and the layer
 without the bias (``norab``) under both backends. For each: what was rewritten (``explain``), one training
 step (forward + backward of every parameter, ``do_bench`` median), the peak memory of the step, and the
 relative error of the output and of both tables' gradients against an fp32 eager reference.
@@ -127,7 +128,8 @@ def run(args, providers):
         gy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         want = _grads(ref_model, (inputs[0].float(),) + inputs[1:], gy.float())  # fp32 eager reference
         backend = "inductor" if prov.endswith("inductor") else "hstu"
-        with config.patch(rab_tables=prov == "hstu_tables"):
+        tables = {"hstu_tables": True, "hstu_dense": False}.get(prov, config.rab_tables)
+        with config.patch(rab_tables=tables):
             torch._dynamo.reset()
             counts = ""
             if backend == "hstu":
@@ -163,7 +165,7 @@ def run(args, providers):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    provs = ["inductor", "hstu", "hstu_tables", "norab_inductor", "norab_hstu"]
+    provs = ["inductor", "hstu", "hstu_tables", "hstu_dense", "norab_inductor", "norab_hstu"]
     ap.add_argument("--providers", nargs="+", default=provs, choices=provs)
     ap.add_argument("--check", action="store_true", help="small CPU run (B=4, N=32): rewrites and errors")
     ap.add_argument("--batch", type=int, default=32)
