@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import write_csv  # noqa: E402
+from _common import peak_mib, write_csv  # noqa: E402
 
 log = logging.getLogger("rab_attention")
 PROVIDERS = ["hstu_no_rab", "hstu_rab_1h", "hstu_rab_b1", "inductor_rab_1h", "hstu_tables", "hstu_tables_dense",
@@ -158,13 +158,7 @@ def main():
 
             try:
                 step()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                step()
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-                peak_total = torch.cuda.max_memory_allocated() / 2 ** 20
+                peak, peak_total = peak_mib(step)
                 ms = do_bench(step, rep=args.rep, return_mode="median")
             except Exception as e:  # noqa: BLE001  (out of memory, or a kernel that does not fit: report, go on)
                 what = "OOM" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__

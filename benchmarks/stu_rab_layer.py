@@ -148,12 +148,9 @@ def run(args, providers):
             ms = peak = float("nan")
             if device == "cuda":
                 from triton.testing import do_bench
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                step()
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+                from _common import peak_mib
+                peak = peak_mib(step)[0]
                 ms = do_bench(step, rep=args.rep, return_mode="median")
         row = dict(provider=prov, rewritten=counts, ms=round(ms, 3), peak_mib=round(peak, 1),
                    err_out=f"{errs[0]:.2e}", err_dx=f"{errs[1]:.2e}",

@@ -17,7 +17,7 @@ from .attn_meaning_domain import _short
 from .core import decide
 from .core.domain import off, tgt
 from .core.semantics import interval_valid
-from .prover import Decline, mask_candidates, valid_at
+from .prover import Decline, mask_candidates, valid_at, valid_at_many
 
 
 def _fit_mask(ch: Chain, mask, ints, in_seq):
@@ -115,14 +115,13 @@ def _sample_filter(ch, mask, cands, n, t, cap):
         got = got.expand(M).to(torch.bool)
     except Exception:  # lambdify could not vectorise it: no filtering, the decision decides
         return cands
-    lens = nn
     b = torch.arange(M)
+    i32 = [x.to(torch.int32) for x in (ii, jj, nn, tt)]  # sizes here are < 2**31; half the memory traffic
     out = []
-    for params in cands:
-        causal, w, c, f_ = params
-        want = valid_at(b, ii, jj, lens, tt if t is not None else None, w, c, f_, causal)
-        if torch.equal(want, got):
-            out.append(params)
+    for k in range(0, len(cands), 256):  # chunks: a few MB of [chunk, M] temporaries
+        chunk = cands[k:k + 256]
+        agree = (valid_at_many(b, *i32[:3], i32[3] if t is not None else None, chunk) == got).all(dim=1)
+        out.extend(p for p, ok in zip(chunk, agree.tolist()) if ok)
     return out
 
 

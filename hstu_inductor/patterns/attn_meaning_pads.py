@@ -13,7 +13,7 @@ import sympy
 
 from . import attn_layout as lay
 from .attn_find import PadMismatch, meta_val
-from .attn_meaning_domain import _domain, _leaf_fn, _offsets_leaf, _short
+from .attn_meaning_domain import _domain, _leaf_fn, _offsets_leaf, _rows, _short
 from .core import decide
 from .core.domain import off
 from .core.elements import Elements, unravel
@@ -24,13 +24,13 @@ from .prover import Decline, sym_expr
 def prove_pads(plan) -> None:
     """Every pad ``D`` is ``jagged_to_padded(src, offsets, N)`` viewed as ``D.shape``; one
     :class:`PadMismatch` naming every pad that is not (its next source candidate may be)."""
-    bad, seen = [], []
+    bad, seen, shared = [], [], {}
     for x in (plan.q, plan.k, plan.v):
         if any(x.D is y for y in seen):
             continue
         seen.append(x.D)
         try:
-            prove_pad(plan, x)
+            prove_pad(plan, x, shared)
         except PadMismatch as e:
             bad.append(e)
         except Unsupported as e:
@@ -39,14 +39,26 @@ def prove_pads(plan) -> None:
         raise PadMismatch(str(bad[0]), *(d for e in bad for d in e.Ds))
 
 
-def prove_pad(plan, x) -> None:
-    dom = _domain(plan, x.src)
-    b = dom.sequence("b")
-    p = dom.coord("p", plan.N)
+def _pad_context(plan, x, shared: dict):
+    """(domain, b, p, feature coordinates, interpreter) for the pad of ``x``. Pads of sources with the same
+    rows and feature shape share them: the index arithmetic the pads have in common (sequence ids,
+    positions, validity masks) is then interpreted once, at the same symbolic element."""
     fshape = [sym_expr(s) for s in meta_val(x.src).shape[1:]]
-    fs = tuple(dom.coord(f"f{k}", s) for k, s in enumerate(fshape))
+    key = (_rows(x.src), tuple(fshape))
+    if key not in shared:
+        dom = _domain(plan, x.src)
+        b = dom.sequence("b")
+        p = dom.coord("p", plan.N)
+        fs = tuple(dom.coord(f"f{k}", s) for k, s in enumerate(fshape))
+        leaves = {y.src: (lambda f: lambda idx: f(*idx))(_leaf_fn(f"src_{y.src.name}"))
+                  for y in (plan.q, plan.k, plan.v)}
+        shared[key] = (dom, b, p, fs, fshape, Elements(dom, {**leaves, plan.offsets: _offsets_leaf(plan)}))
+    return shared[key]
+
+
+def prove_pad(plan, x, shared=None) -> None:
+    dom, b, p, fs, fshape, E = _pad_context(plan, x, {} if shared is None else shared)
     src = _leaf_fn(f"src_{x.src.name}")
-    E = Elements(dom, {x.src: lambda idx: src(*idx), plan.offsets: _offsets_leaf(plan)})
     lin = b * lay.to_expr(plan.N) + p
     for f, s in zip(fs, fshape):
         lin = lin * s + f
@@ -56,6 +68,7 @@ def prove_pad(plan, x) -> None:
     if not ok:
         raise PadMismatch(f"pad of {x.src.name} is not jagged_to_padded(offsets, N={plan.N}) with zero padding"
                           + (f" (e.g. at {_short(cex)})" if isinstance(cex, dict) else ""), x.D)
+
 
 def prove_unpad(plan, sub) -> None:
     """Row ``off(b) + p`` of the output is element ``(b, p)`` of the dense output."""

@@ -333,6 +333,27 @@ def valid_at(b, i, j, lengths, targets, w, c, f, causal):
     return valid & in_seq
 
 
+def valid_at_many(b, i, j, lengths, targets, cands) -> torch.Tensor:
+    """:func:`valid_at` of every candidate ``(causal, w, c, f)`` at once: ``[len(cands), len(i)]`` booleans
+    (the sample filter tries thousands of candidates; one candidate at a time is mostly Python overhead)."""
+    causal, w, c, f = (torch.tensor(col, dtype=i.dtype)[:, None] for col in zip(*cands))
+    n = lengths[b]
+    in_seq = (i < n) & (j < n)
+    cpos = c > 0
+    pi_i = torch.where(cpos, (i - c + 1).clamp(min=0), i)
+    pi_j = torch.where(cpos, (j - c + 1).clamp(min=0), j)
+    end = torch.where(cpos, n - c + 1, n)
+    if targets is not None:
+        end = end - targets[b]
+        pi_i, pi_j = torch.minimum(pi_i, end), torch.minimum(pi_j, end)
+    d = pi_i - pi_j
+    valid = (i == j) | (d > 0)
+    win = (d <= w) | ((f > 0) & (pi_i >= end - f))
+    valid = torch.where(w > 0, valid & win, valid)
+    valid = torch.where(cpos, valid | ((pi_i == 0) & (pi_j < end)), valid)
+    return torch.where(causal.bool(), valid, True) & in_seq
+
+
 def mask_candidates(ints: set, N: int, has_targets: bool) -> list:
     """Candidate ``(causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len)`` tuples:
     0 and the integer constants of the mask subgraph (and their neighbours, for ``<`` vs ``<=``)."""

@@ -344,3 +344,23 @@ def test_proof_past_its_time_budget_is_declined_and_equal_to_eager():
     with pytest.raises(ValueError, match="proof_budget_s"):
         with hstu_inductor.config.patch(proof_budget_s=0):
             pass
+
+
+def test_valid_at_many_equals_valid_at():
+    """The sample filter's vectorised mask (every candidate at once) is ``valid_at`` of each candidate, with
+    and without targets, at random in-sequence and out-of-sequence points (int32 as the filter passes them)."""
+    from hstu_inductor.patterns.prover import mask_candidates, valid_at, valid_at_many
+
+    g = torch.Generator().manual_seed(3)
+    M = 1500
+    nn = torch.randint(1, 40, (M,), generator=g, dtype=torch.int32)
+    ii = (torch.rand(M, generator=g) * (nn + 3)).to(torch.int32)  # some past the sequence's end
+    jj = (torch.rand(M, generator=g) * nn).to(torch.int32)
+    tt = (torch.rand(M, generator=g) * (nn + 1)).to(torch.int32).clamp(max=nn)
+    b = torch.arange(M)
+    for targets in (None, tt):
+        cands = mask_candidates({3, 7, 20}, 40, targets is not None)
+        many = valid_at_many(b, ii, jj, nn, targets, cands)
+        assert many.shape == (len(cands), M) and 0 < int(many.sum()) < many.numel()
+        for k, (causal, w, c, f) in enumerate(cands):
+            assert torch.equal(many[k], valid_at(b, ii, jj, nn, targets, w, c, f, causal)), (causal, w, c, f)

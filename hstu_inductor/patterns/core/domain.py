@@ -100,10 +100,20 @@ class Domain:
     def _minmax(self, e):
         """``Min`` / ``Max`` arguments that the ranges show never win, dropped (a clamp of a row index
         to ``B * N - 1`` that it never exceeds)."""
+        seen: dict = {}
+
         def walk(x):
-            if not x.args:
+            if not x.args or not x.has(sympy.Min, sympy.Max):
                 return x
-            x = x.func(*[walk(a) for a in x.args])
+            if x in seen:
+                return seen[x]
+            args = [walk(a) for a in x.args]
+            # rebuilt only where an argument changed: sympy re-evaluates a rebuilt Min / Max (costly)
+            y = x.func(*args) if any(a is not b for a, b in zip(args, x.args)) else x
+            seen[x] = y = _drop(y)
+            return y
+
+        def _drop(x):
             if isinstance(x, (sympy.Min, sympy.Max)) and len(x.args) == 2:
                 a, c = x.args
                 lt = sympy.Le if isinstance(x, sympy.Min) else sympy.Ge
