@@ -97,14 +97,14 @@ def _rewrite_and_compile(gm, stage, compile_rewritten, cost, example_inputs=None
     state = module_state(gm, example_inputs) if example_inputs is not None else None
     rewritten = _rewritten(gm, state)
     read = rewritten.meta.get("hstu_constants", []) if rewritten is not gm else []
-    compiled = _compile_decided(gm, rewritten, stage, compile_rewritten, cost, failing)
-    if read and stock is not None:
+    compiled, runs_rewrite = _compile_decided(gm, rewritten, stage, compile_rewritten, cost, failing)
+    if read and runs_rewrite and stock is not None:  # kept stock code reads no module state by value: no guard
         return ConstantGuard(compiled, {i: state[i] for i in read}, lambda args: stock[1](gm), stock[0])
     return compiled
 
 
 def _compile_decided(gm, rewritten, stage, compile_rewritten, cost, failing):
-    """The cost rule's choice between ``gm`` and ``rewritten``, compiled."""
+    """The cost rule's choice between ``gm`` and ``rewritten``, compiled, and whether it may run the rewrite."""
     from . import graph_breaks
 
     if not getattr(_state, "ddp_pieces", False):  # a DDP piece: recorded whole, before the split
@@ -117,10 +117,10 @@ def _compile_decided(gm, rewritten, stage, compile_rewritten, cost, failing):
         _record_decision(decision, stage)
     with failing("compile"):
         if decision is None or decision.choice == "hstu":
-            return compile_rewritten(rewritten)
+            return compile_rewritten(rewritten), rewritten is not gm
         if decision.choice == "inductor":
-            return compile_rewritten(gm)
-        return cost_rule.SizeDispatch(decision, compile_rewritten(gm), compile_rewritten(rewritten))
+            return compile_rewritten(gm), False
+        return cost_rule.SizeDispatch(decision, compile_rewritten(gm), compile_rewritten(rewritten)), True
 
 
 def _record_decision(decision, stage) -> None:

@@ -364,3 +364,30 @@ def test_valid_at_many_equals_valid_at():
         assert many.shape == (len(cands), M) and 0 < int(many.sum()) < many.numel()
         for k, (causal, w, c, f) in enumerate(cands):
             assert torch.equal(many[k], valid_at(b, ii, jj, nn, targets, w, c, f, causal)), (causal, w, c, f)
+
+
+@pytest.mark.parametrize("choice", ["hstu", "inductor"])
+def test_constant_guard_only_where_the_rewrite_runs(choice, monkeypatch, caplog):
+    """A rewrite that read a buffer by value runs behind a guard; where the cost rule keeps stock Inductor's
+    graph (which reads the buffer itself) there is no guard of ours: a changed buffer is just read."""
+    import logging
+
+    from hstu_inductor import _compat, cost_rule
+
+    monkeypatch.setattr(cost_rule, "decide", lambda g, example_inputs, cudagraphs: cost_rule.Decision(
+        choice, "infer", 1.0, 0))
+    monkeypatch.setattr(_compat, "compile_fx", lambda gm, example_inputs, patches=None: _compat.aot_eager(
+        gm, example_inputs))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = BufferMask()
+    x, offsets = _inputs(requires_grad=False)
+    compiled = torch.compile(model, backend="hstu")
+    with caplog.at_level(logging.WARNING, logger="hstu_inductor"):
+        assert _rel(compiled(x, offsets), model(x, offsets)) < 1e-5
+        with torch.no_grad():
+            model.attn_mask.copy_(torch.triu(torch.ones(N, N, dtype=torch.bool), diagonal=2))
+        assert _rel(compiled(x, offsets), model(x, offsets)) < 1e-5
+    guarded = any("module state read by the rewrite changed" in r.getMessage() for r in caplog.records)
+    assert guarded == (choice == "hstu"), caplog.text
+    torch._dynamo.reset()
