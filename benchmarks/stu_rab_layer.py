@@ -10,7 +10,8 @@ The layer (written for this benchmark, in a style the tests do not use): jagged 
 the bias is
 
 - time: ``|ts(next(i)) - ts(j)|`` of the padded timestamps (the next row's by a left shift that repeats the
-  last column, as the original HSTU), ``torch.bucketize`` against log-spaced boundaries held in a module
+  last column, as the original HSTU), or with ``--gap own`` ``|ts(i) - ts(j)|``, ``torch.bucketize``
+  against log-spaced boundaries held in a module
   buffer, into an ``nn.Embedding(num_buckets + 1, 1)``;
 - position: an ``nn.Embedding(2N - 1, 1)`` over ``j - i + N - 1``;
 
@@ -41,9 +42,9 @@ log = logging.getLogger("stu_rab_layer")
 
 
 class RabLayer(torch.nn.Module):
-    def __init__(self, E, H, D, N, num_buckets=64, rab=True):
+    def __init__(self, E, H, D, N, num_buckets=64, rab=True, gap="next"):
         super().__init__()
-        self.H, self.D, self.N, self.rab = H, D, N, rab
+        self.H, self.D, self.N, self.rab, self.gap = H, D, N, rab, gap
         self.norm = torch.nn.LayerNorm(E)
         self.uvqk = torch.nn.Linear(E, 4 * H * D, bias=False)
         self.out_norm = torch.nn.LayerNorm(H * D)
@@ -58,8 +59,8 @@ class RabLayer(torch.nn.Module):
 
     def bias(self, tsp):
         N = self.N
-        nxt = torch.cat([tsp[:, 1:], tsp[:, -1:]], dim=1)
-        gap = (nxt.unsqueeze(2) - tsp.unsqueeze(1)).abs()
+        query = torch.cat([tsp[:, 1:], tsp[:, -1:]], dim=1) if self.gap == "next" else tsp
+        gap = (query.unsqueeze(2) - tsp.unsqueeze(1)).abs()
         t = self.time_emb(torch.bucketize(gap, self.bounds)).squeeze(-1)
         ar = torch.arange(N, device=tsp.device)
         p = self.pos_emb(ar.unsqueeze(0) - ar.unsqueeze(1) + (N - 1)).squeeze(-1)
@@ -121,8 +122,8 @@ def run(args, providers):
     for prov in providers:
         rab = not prov.startswith("norab")
         torch.manual_seed(0)
-        model = RabLayer(E, H, D, N, rab=rab).to(device)
-        ref_model = RabLayer(E, H, D, N, rab=rab).to(device)
+        model = RabLayer(E, H, D, N, rab=rab, gap=args.gap).to(device)
+        ref_model = RabLayer(E, H, D, N, rab=rab, gap=args.gap).to(device)
         ref_model.load_state_dict(model.state_dict())
         model = model.to(dtype)
         gy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
@@ -164,6 +165,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     provs = ["inductor", "hstu", "hstu_tables", "hstu_dense", "norab_inductor", "norab_hstu"]
     ap.add_argument("--providers", nargs="+", default=provs, choices=provs)
+    ap.add_argument("--gap", choices=["next", "own"], default="next",
+                    help="time gap ts(next(i)) - ts(j) (the original HSTU's) or ts(i) - ts(j)")
     ap.add_argument("--check", action="store_true", help="small CPU run (B=4, N=32): rewrites and errors")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--n", type=int, default=1024)

@@ -107,6 +107,9 @@ FEATURES_SPLIT = {
     "ts_only": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=True, DTS=("fp32",), TAB_COPIES=32, stride_tc=129,
                     TAB_GRAD=True, TSB=("i64",), TSP=("fp32",), TS_STEPS=8),
     "ts_nograd": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=True, TSB=("i64",), TSP=("fp32",), TS_STEPS=8),
+    # the gap ts(i) - ts(j) (jagged: HAS_TS 3; padded [B, N]: 4)
+    "ts_own_row": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=3, DTS=("fp32",), TAB_COPIES=32, stride_tc=129,
+                       TAB_GRAD=True, TSB=("i64",), TSP=("fp32",), TS_STEPS=8),
 }
 
 

@@ -193,6 +193,22 @@ def test_attention_op_tables_equal_reference(name):
         assert a.shape == b.shape and rel_err(a, b) < 1e-12
 
 
+def test_attention_op_tables_own_row_gap():
+    """``ts_next=False`` (the gap ``ts(i) - ts(j)``): opcheck, and forward and table gradients equal the
+    reference of that gap, which differs from the original's ``ts(next(i)) - ts(j)``."""
+    args = _targs(None, False, "pos+ts", seed=13) + (None, False)
+    torch.library.opcheck(ops.attention, args, test_utils=_FAST_UTILS)
+    q, k, v, off, Nn, alpha, nt, scale, w, c, f, causal, rab, iv, ts, pos_w, ts_w = args[:17]
+    out = ops.attention(*args)
+    bias = ref.relative_bias(ts, off, Nn, pos_w, ts_w, ts_next=False)
+    assert not torch.equal(bias, ref.relative_bias(ts, off, Nn, pos_w, ts_w))
+    want = ref.hstu_mha(Nn, alpha, q, k, v, off, num_targets=nt, max_attn_len=w, rab=bias)
+    assert rel_err(out, want) < 1e-12
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [q, pos_w, ts_w], g), torch.autograd.grad(want, [q, pos_w, ts_w], g)):
+        assert rel_err(a, b) < 1e-12
+
+
 def test_attention_op_tables_gradcheck():
     args = list(_targs(None, False, "pos+ts", seed=12))
 

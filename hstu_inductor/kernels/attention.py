@@ -432,11 +432,11 @@ def _prec(dtype) -> str:
 
 def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
          min_full_attn_seq_len, causal, delta_rows, tma, rab=None, intervals=None, timestamps=None, pos_w=None,
-         ts_w=None, ts_bounds=None):
+         ts_w=None, ts_bounds=None, ts_next=True):
     _check_inputs(q, k, v, seq_offsets, num_targets)
     seq_offsets = address_source(seq_offsets)
     tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len, ts_bounds,
-                                                 seq_offsets.shape[0] - 1)
+                                             seq_offsets.shape[0] - 1, ts_next)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
@@ -470,14 +470,15 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
 def hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targets=None, attn_scale=None,
                        max_attn_len: int = 0, contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0,
                        causal: bool = True, *, tma=None, rab=None, intervals=None, timestamps=None, pos_w=None,
-                       ts_w=None, ts_bounds=None) -> torch.Tensor:
+                       ts_w=None, ts_bounds=None, ts_next=True) -> torch.Tensor:
     """Jagged HSTU attention forward: ``[L, H, Dv]`` in the dtype of ``q``. ``rab: [B|1, H|1, N, N]`` is added
     inside the silu; ``intervals: [H|1, L, 3]`` replaces the mask; ``pos_w: [2N-1]`` and/or ``ts_w:
     [num_buckets+1]`` with ``timestamps: [L]`` add the table bias computed in the kernel (docs/semantics.md);
-    ``ts_bounds: [num_buckets]`` are its time-bucket thresholds (None: the default fp64-log bucket's)."""
+    ``ts_bounds: [num_buckets]`` are its time-bucket thresholds (None: the default fp64-log bucket's);
+    ``ts_next``: the gap of the time bucket is ``ts(next(i)) - ts(j)`` (the original HSTU), else ``ts(i) - ts(j)``."""
     return _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
                 contextual_seq_len, min_full_attn_seq_len, causal, 0, tma, rab, intervals, timestamps, pos_w, ts_w,
-                ts_bounds)
+                ts_bounds, ts_next)
 
 
 def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
@@ -502,7 +503,7 @@ def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num
 def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
                        max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True, *,
                        deterministic=False, tma=None, rab=None, intervals=None, rab_grad=False, timestamps=None,
-                       pos_w=None, ts_w=None, table_grad=False, ts_bounds=None):
+                       pos_w=None, ts_w=None, table_grad=False, ts_bounds=None, ts_next=True):
     """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``); ``d_rab`` (rab's shape and
     dtype, summed over its broadcast dims) appended when ``rab_grad``, then ``(d_pos_w, d_ts_w)`` (the
     tables' dtypes; None for an absent table) when ``table_grad``."""
@@ -514,7 +515,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     rab_grad = bool(rab_grad) and rab is not None
     rab_args = _rab_args(rab, B, H, max_seq_len)
     iv_args = _iv_args(intervals, H, L)
-    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds, B)
+    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds, B, ts_next)
     table_grad = bool(table_grad) and bool(tab_flags)
     if rab_grad or (table_grad and pos_w is not None):
         # d rab / d pos_w addresses follow the query block, whose range comes from num_targets (address_source)

@@ -38,9 +38,10 @@ def _iv_args(intervals, H, rows):
             intervals.stride(2))
 
 
-def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=None):
+def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=None, ts_next=True):
     """((timestamps, pos_w, ts_w, num_buckets), (thresholds, guess plan), constexpr switches) for the table bias
-    (docs/semantics.md), tensors contiguous (tiny or [L]); placeholders without tables."""
+    (docs/semantics.md), tensors contiguous (tiny or [L]); placeholders without tables. ``ts_next``: the
+    time gap is ``ts(next(i)) - ts(j)``, else ``ts(i) - ts(j)`` (``HAS_TS`` + 2)."""
     if ts_w is not None and timestamps is None:
         raise ValueError("hstu attention: ts_w needs timestamps")
     if pos_w is not None and (pos_w.dim() != 1 or pos_w.shape[0] != 2 * max_seq_len - 1):
@@ -65,7 +66,7 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=
         flags["HAS_POS"] = True
     bnd = (None, None)
     if ts_w is not None:
-        flags["HAS_TS"] = 2 if timestamps.dim() == 2 else 1
+        flags["HAS_TS"] = (2 if timestamps.dim() == 2 else 1) + (0 if ts_next else 2)
         nb = ts_w.shape[0] - 1
         bnd = _ts_bounds_and_plan(ts_bounds, nb, timestamps.dtype, timestamps.device)
         # binary-search steps of the fallback (2**steps > num_buckets); a symbolic size takes the most

@@ -95,8 +95,10 @@ def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
 def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj, TSB, TSP,
                    HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
     """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
-    (None) pointer (a tuple cannot hold None). ``HAS_TS``: 1 for jagged ``[L]`` timestamps, 2 for dense ``[B, N]``. ``TSP``: the time-bucket guess (slope, offset, usable) fitted to
-    the thresholds ``TSB``, then the thresholds in fp32 (:func:`_ts_plan`, :func:`_time_bucket`)."""
+    (None) pointer (a tuple cannot hold None). ``HAS_TS``: 1 for jagged ``[L]`` timestamps, 2 for dense
+    ``[B, N]``, each + 2 for the gap ``ts(i) - ts(j)`` instead of ``ts(next(i)) - ts(j)``. ``TSP``: the
+    time-bucket guess (slope, offset, usable) fitted to the thresholds ``TSB``, then the thresholds in fp32
+    (:func:`_ts_plan`, :func:`_time_bucket`)."""
     RAB_b = 0
     TS_b = 0
     POS_t = 0
@@ -111,7 +113,7 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride
     if HAS_POS:
         POS_t = POSW
     if HAS_TS:
-        if HAS_TS == 2:  # dense [B, N] timestamps (a padded input): row b starts at b * N
+        if HAS_TS % 2 == 0:  # dense [B, N] timestamps (a padded input): row b starts at b * N
             TS_b = TS + b.to(tl.int64) * MAX_N
         else:  # jagged [L]
             TS_b = TS + start
@@ -183,10 +185,14 @@ def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_T
     if HAS_POS:
         x += tl.load(POSW + (MAXN - 1 + cols - rows), mask=inside, other=0.0).to(tl.float32)
     if HAS_TS:
-        # next(i) = min(i + 1, N - 1) on padded positions; padding has timestamp 0 (so the last row of a
-        # shorter sequence is compared with 0, as in reference.relative_bias)
-        nx = tl.minimum(rows + 1, MAXN - 1)
-        if HAS_TS == 2:  # dense timestamps: next(i) reads the user's own padding (any value)
+        # the query's timestamp: next(i) = min(i + 1, N - 1) on padded positions (HAS_TS 1, 2), else i's (3, 4);
+        # padding has timestamp 0 (so the last row of a shorter sequence is compared with 0, as in
+        # reference.relative_bias)
+        if HAS_TS >= 3:
+            nx = rows
+        else:
+            nx = tl.minimum(rows + 1, MAXN - 1)
+        if HAS_TS % 2 == 0:  # dense timestamps: next(i) reads the user's own padding (any value)
             tsn = tl.load(TS_b + nx, mask=nx >= 0, other=0)
         else:
             tsn = tl.load(TS_b + nx, mask=nx < n, other=0)

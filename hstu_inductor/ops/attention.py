@@ -95,10 +95,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
               contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0, causal: bool = True,
               rab: Optional[Tensor] = None, intervals: Optional[Tensor] = None, timestamps: Optional[Tensor] = None,
               pos_w: Optional[Tensor] = None, ts_w: Optional[Tensor] = None,
-              ts_bounds: Optional[Tensor] = None) -> Tensor:
+              ts_bounds: Optional[Tensor] = None, ts_next: bool = True) -> Tensor:
     """Jagged HSTU attention forward, ``[L, H, Dv]`` (see ``reference.hstu_mha``); the bias inside the silu is
     ``rab`` plus the table bias of ``timestamps``/``pos_w``/``ts_w`` (docs/semantics.md), time buckets from the
-    thresholds ``ts_bounds`` (None: those of the default fp64-log bucket)."""
+    thresholds ``ts_bounds`` (None: those of the default fp64-log bucket) of the gap ``ts(next(i)) - ts(j)``
+    (``ts_next``, the original HSTU) or ``ts(i) - ts(j)``."""
     plain = not _has_bias(rab, intervals, timestamps, pos_w, ts_w, ts_bounds)
     if not (plain and _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
                                        contextual_seq_len, min_full_attn_seq_len, causal)):
@@ -116,11 +117,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
             return _gluon.forward(how, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
         return kern.hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
                                        max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, tma=_tma(),
-                                       **_bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds))
+                                       **_bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds, ts_next))
     return hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal=causal, dropout_pr=0.0, training=False,
                     num_targets=num_targets, attn_scale=attn_scale, max_attn_len=max_attn_len,
                     contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len,
-                    rab=_dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds),
+                    rab=_dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds, ts_next),
                     intervals=intervals).contiguous()
 
 
@@ -133,7 +134,7 @@ def _has_tables(pos_w, ts_w) -> bool:
     return pos_w is not None or ts_w is not None
 
 
-def _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds=None) -> dict:
+def _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds=None, ts_next=True) -> dict:
     """Kernel keywords; none at all without a bias or intervals (the launch is then the bias-free one)."""
     kw = {}
     if rab is not None or intervals is not None:
@@ -142,20 +143,22 @@ def _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds=None) -> dict:
         kw.update(timestamps=timestamps if ts_w is not None else None, pos_w=pos_w, ts_w=ts_w)
         if ts_bounds is not None:  # None: the kernels use the default thresholds (cached there)
             kw["ts_bounds"] = ts_bounds
+        if not ts_next:
+            kw["ts_next"] = False
     return kw
 
 
-def _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds=None):
+def _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds=None, ts_next=True):
     """The reference path's bias: ``rab`` plus the materialised table bias ``[B, 1, N, N]``."""
     if not _has_tables(pos_w, ts_w):
         return rab
-    tb = relative_bias(timestamps, seq_offsets, max_seq_len, pos_w, ts_w, ts_bounds)
+    tb = relative_bias(timestamps, seq_offsets, max_seq_len, pos_w, ts_w, ts_bounds, ts_next)
     return tb if rab is None else rab + tb
 
 
 def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
          min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad, timestamps=None, pos_w=None,
-         ts_w=None, need_table_grad=None, ts_bounds=None):
+         ts_w=None, need_table_grad=None, ts_bounds=None, ts_next=True):
     """Body of the backward ops: ``(dq, dk, dv, d_attn_scale[, d_rab])``, empty ``d_attn_scale`` unless
     requested (the kernels do not compute it, so that case runs the reference). ``need_table_grad`` not
     None (``attention_bwd_bias``): always ``(dq, dk, dv, d_attn_scale, d_rab, d_pos_w, d_ts_w)``, empty
@@ -172,7 +175,7 @@ def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale
         dq, dk, dv = _gluon.backward(how, grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
         d_scale, d_rab, d_pos, d_ts = empty(), None, None, None
     elif kern is not None:
-        extra = _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds)
+        extra = _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds, ts_next)
         if rab is not None or intervals is not None:
             extra["rab_grad"] = need_rab
         if need_tab:
@@ -184,7 +187,7 @@ def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale
         d_rab = rest.pop(0) if need_rab else None
         d_pos, d_ts = rest if need_tab else (None, None)
     else:
-        bias = _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds)
+        bias = _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds, ts_next)
         need_bias = need_rab or need_tab
         got = hstu_mha_backward(grad, max_seq_len, alpha, q, k, v, seq_offsets, causal, num_targets, attn_scale,
                                 max_attn_len, contextual_seq_len, min_full_attn_seq_len, need_scale_grad, rab=bias,
@@ -196,7 +199,8 @@ def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale
             d_rab = got[4].sum_to_size(rab.shape).to(rab.dtype).contiguous()
         if need_tab:
             d_pos, d_ts = relative_bias_backward(got[4], timestamps, seq_offsets, max_seq_len,
-                                                 ts_w.shape[0] - 1 if ts_w is not None else None, ts_bounds)
+                                                 ts_w.shape[0] - 1 if ts_w is not None else None, ts_bounds,
+                                                 ts_next)
             d_pos = d_pos.to(pos_w.dtype) if pos_w is not None else None
             d_ts = d_ts.to(ts_w.dtype) if ts_w is not None else None
     if not bias_op:
@@ -231,22 +235,23 @@ def attention_bwd_bias(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offset
                        contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool, need_scale_grad: bool,
                        rab: Optional[Tensor], intervals: Optional[Tensor], timestamps: Optional[Tensor],
                        pos_w: Optional[Tensor], ts_w: Optional[Tensor], need_rab_grad: bool,
-                       need_table_grad: bool, ts_bounds: Optional[Tensor] = None
+                       need_table_grad: bool, ts_bounds: Optional[Tensor] = None, ts_next: bool = True
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward with the table bias: ``(dq, dk, dv, d_attn_scale, d_rab, d_pos_w, d_ts_w)``; a gradient not
     requested (or of an absent input) is an empty tensor. ``ts_bounds`` as in :func:`attention`."""
     validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w, ts_bounds, seq_offsets)
     return _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
                 contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad,
-                timestamps, pos_w, ts_w, need_table_grad, ts_bounds)
+                timestamps, pos_w, ts_w, need_table_grad, ts_bounds, ts_next)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
-     min_full_attn_seq_len, causal, rab, intervals, timestamps, pos_w, ts_w, ts_bounds) = inputs
+     min_full_attn_seq_len, causal, rab, intervals, timestamps, pos_w, ts_w, ts_bounds, ts_next) = inputs
     ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals, timestamps, pos_w, ts_w,
                           ts_bounds)
     ctx.args = (max_seq_len, alpha, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal)
+    ctx.ts_next = ts_next
     ctx.need_scale_grad = attn_scale is not None and ctx.needs_input_grad[7]
     ctx.need_rab_grad = rab is not None and ctx.needs_input_grad[12]
     ctx.need_table_grad = (pos_w is not None and ctx.needs_input_grad[15]) or (
@@ -261,7 +266,8 @@ def _backward(ctx, grad):
     d_rab = d_pos = d_ts = None
     if _has_tables(pos_w, ts_w):
         dq, dk, dv, d_scale, d_rab, d_pos, d_ts = torch.ops.hstu.attention_bwd_bias(
-            *args, rab, intervals, timestamps, pos_w, ts_w, ctx.need_rab_grad, ctx.need_table_grad, ts_bounds)
+            *args, rab, intervals, timestamps, pos_w, ts_w, ctx.need_rab_grad, ctx.need_table_grad, ts_bounds,
+            ctx.ts_next)
         d_rab = d_rab if ctx.need_rab_grad else None
         d_pos = d_pos if ctx.need_table_grad and pos_w is not None else None
         d_ts = d_ts if ctx.need_table_grad and ts_w is not None else None
@@ -272,7 +278,7 @@ def _backward(ctx, grad):
     else:
         dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args, rab, intervals)
     return (dq, dk, dv, None, None, None, None, (d_scale if ctx.need_scale_grad else None), None, None, None, None,
-            d_rab, None, None, d_pos, d_ts, None)
+            d_rab, None, None, d_pos, d_ts, None, None)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

@@ -8,10 +8,11 @@ one element at symbolic coordinates (``core``), so at any size:
    score position ``(b, h, i, j)`` must be ``Tp[c + j - i] + Tt[I(...)]`` on every in-sequence position,
    for one constant ``c`` (decided: the tables are uninterpreted functions, so nothing else may reach
    the term).
-2. **The bucket reads the gap of ``(next(i), j)``.** ``I`` at those coordinates is the bucket chain
-   (monotone value ops, proven by ``attn_tables``) of ``G`` at some coordinates; with the value ops read
-   as the identity, ``I``'s element is ``G`` at those coordinates, and ``G`` there must be
-   ``ts(next(i)) - ts(j)`` of the timestamps padded with 0, ``next(i) = min(i + 1, N - 1)``.
+2. **The bucket reads the gap of ``(next(i), j)`` or of ``(i, j)``.** ``I`` at those coordinates is the
+   bucket chain (monotone value ops, proven by ``attn_tables``) of ``G`` at some coordinates; with the value
+   ops read as the identity, ``I``'s element is ``G`` at those coordinates, and ``G`` there must be
+   ``ts(next(i)) - ts(j)`` (the original HSTU, ``next(i) = min(i + 1, N - 1)``) or ``ts(i) - ts(j)`` of the
+   timestamps padded with 0; the op's ``ts_next`` says which.
 """
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def _fits(dom, need, have) -> bool:
 
 
 def _prove_gap(tc, ch, E, icoords, ts, leaves) -> None:
-    """``I`` at ``icoords`` is the bucket of ``G`` at ``ts(next(i)) - ts(j)`` (padded with 0)."""
+    """``I`` at ``icoords`` is the bucket of ``G`` at ``ts(next(i)) - ts(j)`` or at ``ts(i) - ts(j)`` (padded with
+    0); ``tc.ts_next`` says which."""
     dom, plan = ch.dom, ch.plan
     chain = _value_chain(tc)
     leaves = dict(leaves)
@@ -114,10 +116,13 @@ def _prove_gap(tc, ch, E, icoords, ts, leaves) -> None:
             return ts(ch.b, p)
         return sympy.Piecewise((ts(off(ch.b) + p), sympy.Lt(p, nb)), (0, True))
 
-    want = tspad(sympy.Min(ch.i + 1, N - 1)) - tspad(ch.j)
-    ok, _ = decide.valid(dom, sympy.Eq(gap, want, evaluate=False), ch.in_seq())
-    if not ok:
-        raise gap_decline(tc)
+    for nxt_mode in (True, False) if tc.ts_next is None else (tc.ts_next, not tc.ts_next):
+        row = sympy.Min(ch.i + 1, N - 1) if nxt_mode else ch.i
+        ok, _ = decide.valid(dom, sympy.Eq(gap, tspad(row) - tspad(ch.j), evaluate=False), ch.in_seq())
+        if ok:  # the proof decides the gap (a probe may have matched both where they agree)
+            tc.ts_next = nxt_mode
+            return
+    raise gap_decline(tc)
 
 
 def _value_chain(tc):

@@ -2,11 +2,12 @@
 
 A bias term ``R`` found by ``attn_bias`` (a tensor added to the scores before the silu) is proven to be
 
-    R(b, h, i, j) = Tp[c + j - i] + Tt[bucket(ts_b(next(i)) - ts_b(j))]      (either part may be absent)
+    R(b, h, i, j) = Tp[c + j - i] + Tt[bucket(ts_b(q(i)) - ts_b(j))]      (either part may be absent)
 
 on every in-sequence position, for 1-D tables ``Tp`` / ``Tt`` read from graph inputs (``[V]`` or ``[V, 1]``),
 the jagged timestamps ``ts`` padded with 0 by the user's own pad (or a ``[B, N]`` timestamps input the
-caller padded, read as it is), ``next(i) = min(i + 1, N - 1)``, and a
+caller padded, read as it is), ``q(i) = next(i) = min(i + 1, N - 1)`` (the original HSTU) or ``q(i) = i``
+(the op's ``ts_next``), and a
 bucket that is a non-decreasing step function of ``|dt|``. Then the op gets ``timestamps``,
 ``pos_w = Tp[c - N + 1 : c + N]``, ``ts_w = Tt`` and the bucket's thresholds ``ts_bounds`` and computes
 the bias in-kernel (docs/semantics.md, path (b)): nothing ``N x N`` is materialised, and gradients reach
@@ -27,7 +28,7 @@ What is read from the graph (structure), and what is proven (numbers):
   each position reads) and with random tables (``R`` is exactly the sum of the two gathers), on random
   timestamps with log-spread gaps of both signs. The position index must be ``c + j - i`` for one
   constant ``c`` (across probe values of a symbolic ``N``: ``c - N`` constant), and the time index the
-  reference bucket of the 0-padded timestamps' ``ts(next(i)) - ts(j)``, on every in-sequence position
+  reference bucket of the 0-padded timestamps' ``ts(q(i)) - ts(j)``, on every in-sequence position
   of every head.
 
 Static sizes too large to probe: ``attn_prove`` leaves a term that :func:`analyse` finds plausible
@@ -91,6 +92,7 @@ class TermCheck:
     gap: torch.fx.Node = None         # G = ts(.) - ts(.)
     stamps: torch.fx.Node = None      # X: the jagged timestamps [L] the pad reads, or padded [B, N] ones
     dense: bool = False               # X is [B, N] (an input padded by the caller, read as it is)
+    ts_next: bool = None              # the gap is ts(next(i)) - ts(j) (True) or ts(i) - ts(j); None: not read yet
     source: torch.fx.Node = None      # the graph input the timestamps come from
     bounds: torch.Tensor = None       # thresholds of the bucket (CPU)
     order_i: list = None              # closure of I from X (native dtypes)
@@ -110,6 +112,7 @@ class Tables:
     stamps: torch.fx.Node = None
     ts_dtype: torch.dtype = None      # the op's timestamps dtype: the gap's
     bounds: torch.Tensor = None
+    ts_next: bool = True              # the gap of the time bucket: ts(next(i)) - ts(j), else ts(i) - ts(j)
 
 
 def _is_table(n) -> bool:
@@ -329,8 +332,9 @@ def _stamps(tc, G, src, plan):
 
 
 def gap_decline(tc) -> Decline:
-    """The reason a time table is not the op's: read elsewhere than at the gap of ``(next(i), j)``."""
-    return Decline(f"time table {tc.ts.name} is not read at bucket(ts(next(i)) - ts(j)) of the "
+    """The reason a time table is not the op's: read elsewhere than at the gap of ``(next(i), j)`` or ``(i, j)``."""
+    return Decline(f"time table {tc.ts.name} is not read at bucket(ts(next(i)) - ts(j)) or "
+                   f"bucket(ts(i) - ts(j)) of the "
                    f"{'padded' if tc.dense else '0-padded'} timestamps")
 
 
@@ -527,9 +531,13 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
         # the op's timestamps as [B, N]: a padded input as it is, jagged ones padded with 0
         tsp = raw.to(meta_val(tc.gap).dtype)
         tsp = tsp if tc.dense else jagged_to_padded(tsp, off, Np)
-        nxt = (torch.arange(Np) + 1).clamp(max=Np - 1)
-        ref = buckets_from_bounds(tsp[:, nxt][:, :, None] - tsp[:, None, :], tc.bounds)
-        if not torch.equal(idx[tc.ts], ref[bb[sel], ii[sel], jj[sel]]):
+        for nxt_mode in (True, False) if tc.ts_next is None else (tc.ts_next,):
+            rows = (torch.arange(Np) + 1).clamp(max=Np - 1) if nxt_mode else torch.arange(Np)
+            ref = buckets_from_bounds(tsp[:, rows][:, :, None] - tsp[:, None, :], tc.bounds)
+            if torch.equal(idx[tc.ts], ref[bb[sel], ii[sel], jj[sel]]):
+                tc.ts_next = nxt_mode
+                break
+        else:
             raise gap_decline(tc)
     rnd = {T: probe_values(tshape[T], gen) for T in tabs}
     want = sum(rnd[T].reshape(-1)[idx[T]] for T in tabs)
@@ -569,6 +577,7 @@ def finish(checks, plan) -> None:
         tc = ts[2]
         tabs.ts = ts[:2]
         tabs.stamps, tabs.ts_dtype, tabs.bounds = tc.stamps, meta_val(tc.gap).dtype, tc.bounds
+        tabs.ts_next = tc.ts_next is not False
     plan.rab.tables = tabs
 
 
@@ -577,7 +586,8 @@ def finish(checks, plan) -> None:
 
 
 def emit_tables(call, gm, plan, N_arg) -> list:
-    """``[timestamps, pos_w, ts_w, ts_bounds]`` for the op (all None without a table bias)."""
+    """``[timestamps, pos_w, ts_w, ts_bounds]`` for the op (all None without a table bias), then ``False`` for a
+    gap ``ts(i) - ts(j)`` (the op's ``ts_next``; left out for the original's ``ts(next(i)) - ts(j)``)."""
     tabs = getattr(plan.rab, "tables", None) if plan.rab is not None else None
     if tabs is None:
         return [None] * 4
@@ -602,7 +612,7 @@ def emit_tables(call, gm, plan, N_arg) -> list:
         # re-trace of the graph under one takes it too)
         bounds = call(aten.lift_fresh_copy.default,
                       [_constant(gm, tabs.bounds, meta_val(stamps).device, meta_val(stamps))])
-    return [stamps, pos_w, ts_w, bounds]
+    return [stamps, pos_w, ts_w, bounds] + ([False] if tabs.ts is not None and not tabs.ts_next else [])
 
 
 def _flat(call, T):
@@ -640,5 +650,6 @@ def describe(plan) -> str:
         parts.append(f"pos_w={T.name}" + (f"[{delta}:{delta}+2N-1]" if delta else ""))
     if tabs.ts is not None:
         parts.append(f"ts_w={tabs.ts[0].name} (timestamps {tabs.stamps.name}, {len(tabs.bounds)} bucket "
-                     f"thresholds on {str(tabs.ts_dtype).replace('torch.', '')} gaps)")
+                     f"thresholds on {str(tabs.ts_dtype).replace('torch.', '')} gaps"
+                     + ("" if tabs.ts_next else " ts(i) - ts(j)") + ")")
     return "tables: " + ", ".join(parts)

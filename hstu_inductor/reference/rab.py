@@ -73,22 +73,23 @@ def time_bucket_bounds(num_buckets: int, dtype: torch.dtype = torch.int64, bucke
     return out(torch.where(below, lo, hi))
 
 
-def _indices(timestamps, seq_offsets, N, num_buckets, device, bounds=None):
-    """(pos index [N, N] = N-1+j-i, bucket index [B, N, N] or None without timestamps)."""
+def _indices(timestamps, seq_offsets, N, num_buckets, device, bounds=None, ts_next=True):
+    """(pos index [N, N] = N-1+j-i, bucket index [B, N, N] or None without timestamps); the query's
+    timestamp is that of ``next(i)`` (``ts_next``, the original HSTU) or of ``i``."""
     i = torch.arange(N, device=device)
     pos = N - 1 + i.unsqueeze(0) - i.unsqueeze(1)
     if timestamps is None:
         return pos, None
     # [B, N]: a padded input as it is (its padding is read), jagged ones padded with 0
     ts = timestamps if timestamps.dim() == 2 else jagged_to_padded(timestamps, seq_offsets, N)
-    nxt = (i + 1).clamp(max=N - 1)
+    nxt = (i + 1).clamp(max=N - 1) if ts_next else i
     return pos, time_buckets(ts[:, nxt].unsqueeze(-1) - ts.unsqueeze(1), num_buckets, bounds)
 
 
 def relative_bias(timestamps: torch.Tensor | None, seq_offsets: torch.Tensor, max_seq_len: int,
                   pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
-                  ts_bounds: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense ``[B, 1, N, N]`` rab of the original HSTU. ``timestamps: [L]`` (jagged, padded with 0) or ``[B, N]``
+                  ts_bounds: torch.Tensor | None = None, ts_next: bool = True) -> torch.Tensor:
+    """Dense ``[B, 1, N, N]`` rab of the original HSTU (``ts_next=False``: the gap ``ts(i) - ts(j)`` instead). ``timestamps: [L]`` (jagged, padded with 0) or ``[B, N]``
     (padded by the caller: ``ts(next(i))`` of a sequence's last row reads that padding),
     ``pos_w: [2N - 1]``, ``ts_w: [num_buckets + 1]``; ``next(i) = min(i + 1, N - 1)`` on padded positions.
     Either table may be None (its term is left out; ``timestamps`` is only needed with ``ts_w``).
@@ -108,7 +109,7 @@ def relative_bias(timestamps: torch.Tensor | None, seq_offsets: torch.Tensor, ma
         raise ValueError(f"ts_bounds must be [num_buckets] = [len(ts_w) - 1] and needs ts_w, got "
                          f"{tuple(ts_bounds.shape)}")
     pos, bucket = _indices(timestamps if ts_w is not None else None, seq_offsets, N,
-                           ts_w.shape[0] - 1 if ts_w is not None else 0, dev, ts_bounds)
+                           ts_w.shape[0] - 1 if ts_w is not None else 0, dev, ts_bounds, ts_next)
     if ts_w is None:
         return pos_w[pos].expand(B, N, N).unsqueeze(1)
     bias = ts_w[bucket]  # [B, N, N]
@@ -118,13 +119,14 @@ def relative_bias(timestamps: torch.Tensor | None, seq_offsets: torch.Tensor, ma
 
 
 def relative_bias_backward(d_bias: torch.Tensor, timestamps: torch.Tensor | None, seq_offsets: torch.Tensor,
-                           max_seq_len: int, num_buckets: int | None, ts_bounds: torch.Tensor | None = None):
+                           max_seq_len: int, num_buckets: int | None, ts_bounds: torch.Tensor | None = None,
+                           ts_next: bool = True):
     """Closed-form gradients of :func:`relative_bias`: ``d_bias: [B, H|1, N, N]`` (summed over heads) ->
     ``(d_pos_w [2N-1], d_ts_w [num_buckets+1] or None when num_buckets is None)``, in d_bias's dtype."""
     N = max_seq_len
     g = d_bias.sum(dim=1)  # [B, N, N]
     pos, bucket = _indices(timestamps if num_buckets is not None else None, seq_offsets, N, num_buckets or 0,
-                           d_bias.device, ts_bounds)
+                           d_bias.device, ts_bounds, ts_next)
     d_pos = g.new_zeros(2 * N - 1).index_add_(0, pos.reshape(-1), g.sum(0).reshape(-1))
     d_ts = None
     if num_buckets is not None:

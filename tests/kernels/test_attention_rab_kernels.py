@@ -55,7 +55,7 @@ def _random_intervals(lengths, heads, seed, device=DEV):
 
 
 def _check(q, k, v, dout, off, n, alpha, *, rab=None, intervals=None, tma=False, deterministic=True,
-           tol=None, ref_inputs=None, tables=None, ts_bounds=None, **kw):
+           tol=None, ref_inputs=None, tables=None, ts_bounds=None, ts_next=True, **kw):
     """Kernel fwd + bwd (incl. d rab, d pos_w, d ts_w) against autograd through the fp64 reference.
     ``tables``: (timestamps, pos_w or None, ts_w or None), the reference bias ``relative_bias``."""
     tol = tol or TOL[q.dtype]
@@ -64,6 +64,8 @@ def _check(q, k, v, dout, off, n, alpha, *, rab=None, intervals=None, tma=False,
         tkw = dict(timestamps=tables[0] if tables[2] is not None else None, pos_w=tables[1], ts_w=tables[2])
         if ts_bounds is not None:
             tkw["ts_bounds"] = ts_bounds
+        if not ts_next:
+            tkw["ts_next"] = False
     out = K.hstu_attention_fwd(q, k, v, off, n, alpha, tma=tma, rab=rab, intervals=intervals, **tkw, **kw)
     got = K.hstu_attention_bwd(dout, q, k, v, off, n, alpha, tma=tma, deterministic=deterministic, rab=rab,
                                intervals=intervals, rab_grad=rab is not None, table_grad=tables is not None,
@@ -77,7 +79,7 @@ def _check(q, k, v, dout, off, n, alpha, *, rab=None, intervals=None, tma=False,
     dtypes += [rab.dtype] if rab is not None else []
     if tables is not None:
         tabs = [None if t is None else t.detach().double().requires_grad_() for t in tables[1:]]
-        tb = relative_bias(tables[0], off, n, *tabs, ts_bounds=ts_bounds)
+        tb = relative_bias(tables[0], off, n, *tabs, ts_bounds=ts_bounds, ts_next=ts_next)
         bias = tb if bias is None else bias + tb
         for name, t, t64 in zip(("dpos", "dts"), tables[1:], tabs):
             if t is not None:
@@ -266,6 +268,34 @@ def test_table_bias_dense_timestamps(ts_dtype, poison):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="timestamps must be"):
         K.hstu_attention_fwd(q, k, v, off, N, 0.25, timestamps=dense[:, 1:], ts_w=ts_w)
+
+
+@SMALL
+@pytest.mark.parametrize("layout", ["jagged", "dense"])
+def test_table_bias_own_row_gap(layout, poison, monkeypatch):
+    """``ts_next=False``: the time bucket of ``ts(i) - ts(j)`` (a query's own timestamp, not its next row's).
+    The reference equals an element loop of that definition; the kernels equal the reference, forward and
+    backward (both tables, the atomic and the split backward)."""
+    from hstu_inductor.reference.rab import time_buckets
+
+    seed = 93 if layout == "jagged" else 94
+    q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=seed)
+    ts, pos_w, ts_w = _tables(LENGTHS, N, 20, torch.int64, "pos+ts", seed=seed + 1)
+    stamps = ts if layout == "jagged" else _dense_stamps(ts, LENGTHS, N, seed + 2)
+    bias = relative_bias(stamps, off, N, pos_w.double(), ts_w.double(), ts_next=False)
+    start = 0
+    for b, m in enumerate(LENGTHS):
+        row = ts[start:start + m].cpu()
+        for i in range(m):
+            for j in range(m):
+                bk = time_buckets((row[i] - row[j]).reshape(1), 20)
+                assert float(bias[b, 0, i, j]) == float(pos_w[N - 1 + j - i].double() + ts_w[bk[0]].double())
+        start += m
+    assert not torch.equal(bias, relative_bias(stamps, off, N, pos_w.double(), ts_w.double()))
+    for algo in ("atomic", "split"):
+        monkeypatch.setattr(config, "bwd_algo", algo)
+        _check(q, k, v, dout, off, N, 0.25, tables=(stamps, pos_w, ts_w), ts_next=False,
+               deterministic=algo == "split", num_targets=torch.tensor([2, 0, 1, 3]))
 
 
 @SMALL

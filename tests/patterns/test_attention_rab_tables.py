@@ -7,7 +7,8 @@ read at an offset, ``torch.bucketize``; detached buckets or not) goes to
 ``hstu.attention(..., timestamps, pos_w, ts_w, ts_bounds)``: no dense ``rab``, nothing ``N x N`` in the
 op's arguments, gradients reach both tables through the op. Outputs and gradients (q, k, v, both
 tables) equal eager under ``torch.compile`` (static and ``dynamic=True``) and in exported programs.
-Near misses (a table read at ``i + j``, a bucket ``% 7``, ``ts(i) - ts(j)``, a position index that wraps
+The gap may also be ``ts(i) - ts(j)`` (the op's ``ts_next=False``). Near misses (a table read at ``i + j``, a
+bucket ``% 7``, ``ts(i - 1) - ts(j)``, a position index that wraps
 around) stay dense ``rab`` terms (path a), equal to eager too. Timestamps may also be a ``[B, N]`` input padded
 by the caller (the original HSTU's ``all_timestamps``): its padding is data the bias reads at ``next(i)``.
 """
@@ -65,7 +66,8 @@ class TableBias(torch.nn.Module):
     def bias(self, ts, offsets):
         sp = self.spelling
         i = torch.arange(N, device=ts.device)
-        if sp in ("original", "with_head_bias", "near_mod7", "near_no_next", "inside_alpha", "subtracted"):
+        if sp in ("original", "with_head_bias", "near_mod7", "own_row", "near_prev_row", "inside_alpha",
+                  "subtracted"):
             # the original HSTU's relative bias (our code): pad-and-repeat positions, int64 timestamps
             # extended by their last column, fp32 log buckets, detached, index_select
             tsp = pad(ts, offsets)
@@ -75,8 +77,11 @@ class TableBias(torch.nn.Module):
             r = (2 * N - 1) // 2
             pos = t[:, :, r:-r]
             ext = torch.cat([tsp, tsp[:, N - 1:N]], dim=1)
-            if sp == "near_no_next":  # ts(i) - ts(j)
+            if sp == "own_row":  # ts(i) - ts(j): the op's ts_next=False
                 dt = ext[:, :-1].unsqueeze(2) - ext[:, :-1].unsqueeze(1)
+            elif sp == "near_prev_row":  # ts(i - 1) - ts(j): neither gap the op takes
+                prev = (i - 1).clamp(min=0)
+                dt = tsp[:, prev].unsqueeze(2) - tsp.unsqueeze(1)
             else:
                 dt = ext[:, 1:].unsqueeze(2) - ext[:, :-1].unsqueeze(1)
             bucketed = (torch.log(torch.abs(dt).clamp(min=1)) / 0.301).long()
@@ -121,7 +126,7 @@ class TableBias(torch.nn.Module):
             return (self.pos_w[N - 1 + i[None, :] - i[:, None]] + self.ts_w[b])[:, None]
         if sp.startswith("padded_input"):  # the caller's padded [B, N] timestamps: next(i) by gather
             nxt = (i + 1).clamp(max=N - 1).expand(ts.shape[0], N)
-            later = ts if sp == "padded_input_no_next" else ts.gather(1, nxt)
+            later = ts if sp == "padded_input_own_row" else ts.gather(1, nxt)
             b = torch.bucketize((later[:, :, None] - ts[:, None, :]).abs(), self.bounds, right=True)
             return (self.pos_w[N - 1 + i[None, :] - i[:, None]] + self.ts_w[b])[:, None]
         if sp == "float_bounds":  # next(i) by a left shift repeating the last column; bucketize in a buffer
@@ -228,6 +233,8 @@ RECOGNISED = {  # spelling -> (tables expected in the report, a dense rab term e
     "searchsorted": ("pos_w=", "ts_w="),
     "padded_input": ("pos_w=", "ts_w="),
     "float_bounds": ("pos_w=", "ts_w="),
+    "own_row": ("pos_w=", "ts_w="),
+    "padded_input_own_row": ("pos_w=", "ts_w="),
 }
 
 
@@ -246,6 +253,7 @@ def test_tables_to_path_b_training(spelling, dynamic, fresh_dynamo):
     for d in details:
         assert "rab=" not in d and all(w in d for w in RECOGNISED[spelling]), d
         assert ("ts_w=" in d) == ("ts_w=" in RECOGNISED[spelling]), d
+        assert ("ts(i) - ts(j)" in d) == spelling.endswith("own_row"), d
 
 
 def test_boundary_buffer_changed_after_compile(fresh_dynamo):
@@ -319,9 +327,8 @@ NEAR = {
     "near_i_plus_j": "not read at c + j - i",
     "near_wraps": "table",
     "near_mod7": "not a monotone op",
-    "near_no_next": "bucket(ts(next(i)) - ts(j))",
+    "near_prev_row": "bucket(ts(next(i)) - ts(j)) or bucket(ts(i) - ts(j))",
     "near_square": "reads the gap 2 times",
-    "padded_input_no_next": "bucket(ts(next(i)) - ts(j)) of the padded",
 }
 
 
