@@ -1,6 +1,6 @@
 """Which arguments torch's mutation analysis of user Triton kernels thinks each attention kernel writes.
 
-    .venv/bin/python scripts/mutation_analysis.py [pos+ts|pos|ts]
+    .venv/bin/python scripts/mutation_analysis.py [pos+ts|pos|ts[:split|atomic] ...]     (default pos+ts:split)
 
 torch.compile / AOTAutograd functionalize a ``wrap_triton`` launch by the tensors this analysis
 (``torch._higher_order_ops.triton_kernel_wrap.identify_accessed_tensors``, on the kernel's TTIR) reports as
@@ -8,7 +8,8 @@ written, and copy them back into the inputs: an input it wrongly reports (a tabl
 compile ("a leaf Variable that requires grad is being used in an in-place operation"). The analysis follows
 an address back through every argument of a helper call whose result feeds it, so a helper that received
 an input pointer taints it; torch 2.11 also follows loads (the jagged offsets and num_targets that bound
-the query blocks: common.address_source gives traced launches private copies). Needs no GPU: the TTIR is generated for sm90. Prints one line per kernel.
+the query blocks: common.address_source gives traced launches private copies). Needs no GPU: the TTIR is
+generated for sm90. Prints one line per case and kernel (``CASE KERNEL writes: ...``).
 """
 from __future__ import annotations
 
@@ -33,9 +34,16 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def main(which="pos+ts", algo="split"):
-    """``algo``: the backward's ``config.bwd_algo`` (split: the dQ kernel; atomic: dQ in the dK/dV kernel)."""
+def main(*cases):
+    """Each case ``TABLES[:ALGO]``: the tables, and the backward's ``config.bwd_algo`` (split: the dQ kernel;
+    atomic: dQ in the dK/dV kernel). One process for all (its imports are most of the time)."""
     triton.runtime.driver.set_active(_Sm90())
+    for case in cases or ("pos+ts:split",):
+        which, _, algo = case.partition(":")
+        _case(case, which, algo or "split")
+
+
+def _case(case, which, algo):
     from torch._higher_order_ops import triton_kernel_wrap as W
 
     from hstu_inductor import config
@@ -62,7 +70,7 @@ def main(which="pos+ts", algo="split"):
         kw.update(kwargs)
         kw.update(K._cfg(kind, *K._GPU_CONFIGS[(kind, "fp32")][0]).kwargs)
         acc = W.identify_accessed_tensors(fn, kw, {})
-        print(kind, "writes:", " ".join(d.name for d in acc.read_writes.writes))
+        print(case, kind, "writes:", " ".join(d.name for d in acc.read_writes.writes))
 
 
 if __name__ == "__main__":

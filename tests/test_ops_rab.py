@@ -380,11 +380,14 @@ def test_table_kernels_mutation_analysis():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # the split backward (dQ kernel) and the atomic one (dQ in the dK/dV kernel, the default with tables)
-    for which, algo, dkdv_out in (("pos+ts", "atomic", "DPOS DTS"), ("ts", "split", "DTS")):
-        got = subprocess.run([sys.executable, os.path.join(root, "scripts", "mutation_analysis.py"), which, algo],
-                             capture_output=True, text=True, env=env, timeout=600)
-        assert got.returncode == 0, got.stderr[-2000:]
-        lines = {ln.split()[0]: ln.split(":", 1)[1].split() for ln in got.stdout.splitlines() if "writes:" in ln}
+    cases = (("pos+ts", "atomic", "DPOS DTS"), ("ts", "split", "DTS"))
+    got = subprocess.run([sys.executable, os.path.join(root, "scripts", "mutation_analysis.py"),
+                          *(f"{which}:{algo}" for which, algo, _ in cases)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert got.returncode == 0, got.stderr[-2000:]
+    for which, algo, dkdv_out in cases:
+        lines = {ln.split()[1]: ln.split(":", 2)[2].split() for ln in got.stdout.splitlines()
+                 if "writes:" in ln and ln.split()[0] == f"{which}:{algo}"}
         want = {"fwd": ["O", "SEQ_OFFSETS"], "dkdv": ["DK", "DVo", "SEQ_OFFSETS", *dkdv_out.split()]}
         if algo == "split":
             want["dq"] = ["DQo", "SEQ_OFFSETS"]

@@ -7,16 +7,20 @@ graph first (docs/distributed.md). One compiled training step is compared with e
 Torchrec-style model parallelism as well: a row-sharded item embedding (allreduce/allgather in an
 autograd.Function, outside the compiled region) feeding a DDP-wrapped, compiled HSTU dense part;
 the embedding's shard gradients are compared with eager too.
+
+And ``optimize_ddp="python_reducer"`` with compiled autograd, in the same pair of processes (last).
 """
 import pytest
 
 from _checks import check_rewritten_and_equal_to_eager, run_cases
 
 
-# one pair of processes runs both cases (the module scope keeps both tests on one xdist worker)
+# one pair of processes runs every case (the module scope keeps the tests on one xdist worker);
+# python_reducer last: its mode is fixed when DDP is built and changes Dynamo's inlining rules for the rest
+# of the process
 @pytest.fixture(scope="module")
 def ranks():
-    return run_cases("ddp", "sharded_embedding")
+    return run_cases("ddp", "sharded_embedding", "python_reducer")
 
 
 def test_ddp_every_block_rewritten_across_bucket_splits(ranks):
@@ -25,3 +29,14 @@ def test_ddp_every_block_rewritten_across_bucket_splits(ranks):
 
 def test_sharded_embedding_feeding_ddp_dense_part(ranks):
     check_rewritten_and_equal_to_eager(ranks["sharded_embedding"], split=True)
+
+
+def test_python_reducer_every_block_rewritten(ranks):
+    """DDP with ``optimize_ddp="python_reducer"`` and compiled autograd: Dynamo does not split the forward
+    graph; DDP's gradient allreduces are traced into the compiled backward (a second graph, also given to
+    the backend)."""
+    for r in ranks["python_reducer"]:
+        # forward + compiled-autograd backward graph(s), all given to the backend; only the forward
+        # holds HSTU blocks. Tensor.backward() itself is Dynamo's own graph break in this mode.
+        assert r["graphs"] >= 2 and r["graph_breaks"] == ["Unsupported Tensor.backward() call"], r["graph_breaks"]
+    check_rewritten_and_equal_to_eager(ranks["python_reducer"], split=False, dynamo_graphs=None, comm_hook=False)
