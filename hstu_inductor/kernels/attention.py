@@ -204,9 +204,7 @@ def _fitting_config(kind, size, args, kwargs, grid_x, grid_rows, row_block, err)
     """Launch the first of the tuning list's configs that fits the device (the default one did not: ``err``)
     and return it."""
     for c in _GPU_CONFIGS[(kind, size)][1:]:
-        cfg = _cfg(kind, *c)
-        cfg = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-               **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
+        cfg = _cfg(kind, *c).all_kwargs()  # the form the tuned path keeps in _CHOSEN
         try:
             rb = cfg[row_block]
             _JIT[kind].run(*args, grid=(grid_x * ((grid_rows + rb - 1) // rb),), warmup=False, **kwargs, **cfg)
@@ -216,8 +214,6 @@ def _fitting_config(kind, size, args, kwargs, grid_x, grid_rows, row_block, err)
                     kind, err, cfg)
         return cfg
     raise err
-    rb = cfg[row_block]  # (a + b - 1) // b: triton.cdiv costs ~5 us (see _pow2)
-    _JIT[kind].run(*args, grid=(grid_x * ((grid_rows + rb - 1) // rb),), warmup=False, **kwargs, **cfg)
 
 
 # Plain eager launches skip the Autotuner once it has picked a config for their key: its run() rebuilds

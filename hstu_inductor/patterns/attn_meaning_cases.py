@@ -155,11 +155,10 @@ def prove_chain(gm, plan, sub, ch=None):
 
 def _tables(plan, ch) -> None:
     """Bias terms proven to be the table bias go to the op's tables (path b); the rest stay dense."""
-    from .. import config
     from . import attn_tables
     from .attn_table_meaning import prove_term
 
-    if config.rab_tables is False:
+    if not attn_tables.wanted():
         return
     checks = attn_tables.analyse(plan)
     for tc in checks:

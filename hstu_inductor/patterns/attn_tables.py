@@ -132,7 +132,7 @@ def _tensor_leaves(leaves, allowed):
 TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("hstu_training", default=False)
 
 
-def _wanted(tables) -> bool:
+def wanted() -> bool:
     """``config.rab_tables``: "auto" takes the tables in training (where the dense path's bias build and its
     scatter into the tables dominate the step), the dense bias in inference (faster without gradients)."""
     if config.rab_tables != "auto":
@@ -142,13 +142,13 @@ def _wanted(tables) -> bool:
 
 def analyse(plan) -> list:
     """A :class:`TermCheck` for every bias term that reads a 1-D float table (structural part)."""
-    if plan.rab is None or config.rab_tables is False:
+    if plan.rab is None or not wanted():
         return []
     out = []
     for t in plan.rab.terms:
         _, leaves = closure([t.node], set())
         tables = [x for x in leaves if _is_table(x)]
-        if not tables or not _wanted(tables):
+        if not tables:
             continue
         tc = TermCheck(t)
         try:
