@@ -166,7 +166,9 @@ def build_provider(name, N, alpha, num_targets):
                 out = torch.ops.hstu.attention(q, k, v, off, N, alpha, num_targets)
             if not _seen_op[0]:
                 _seen_op[0] = True
-                print(f"hstu_op N={N}: forward ran {_kernel_names(gluon)}", flush=True)
+                from hstu_inductor.ops import variants
+                print(f"hstu_op N={N}: forward ran {_kernel_names(gluon)} (variant {variants.chosen('fwd')})",
+                      flush=True)
             return out
 
         def omake_bwd(q, k, v, off, dout):
@@ -341,7 +343,9 @@ def main():
                         with _gluon_spy() as gluon:
                             got = step()
                         if prov in ("hstu_backend", "hstu_op"):  # which backward the timed step runs
-                            print(f"{prov} N={N}: first backward ran {_kernel_names(gluon)}", flush=True)
+                            from hstu_inductor.ops import variants
+                            print(f"{prov} N={N}: first backward ran {_kernel_names(gluon)} "
+                                  f"(variant {variants.chosen('bwd')})", flush=True)
                         if args.check and not baseline:
                             # against an independent dQ computation: the deterministic split kernels, or
                             # (for the deterministic provider itself) the atomic kernel

@@ -11,7 +11,8 @@ __all__ = ["explain"]
 def explain(model_or_fn, *args, dynamic=None, backend: str = "hstu", **kwargs) -> RewriteReport:
     """Compile ``model_or_fn`` with ``backend="hstu"``, run it once on ``args``/``kwargs``, report.
 
-    The report's ``.counts`` (``attention``/``preprocess``/``output``), ``.near_misses``,
+    The report's ``.counts`` (``attention``/``preprocess``/``output``), ``.variants`` (the attention kernels
+    the compiled graphs run, ``ops/variants.py``), ``.near_misses``,
     ``.fallbacks`` (stages of ours that raised, with the exception: the graph or frame was then
     compiled as stock would) and ``.output`` (the compiled result) cover this call only. Dynamo's
     cache is reset first so every graph is compiled (and reported) afresh; note that this also
@@ -22,6 +23,7 @@ def explain(model_or_fn, *args, dynamic=None, backend: str = "hstu", **kwargs) -
     has no ``lowered`` lines, which describe Inductor's code.
     """
     from . import graph_breaks
+    from .ops import variants
     from .backend import hstu_backend, hstu_eager_backend, register
 
     backends = {"hstu": hstu_backend, "hstu_eager": hstu_eager_backend}
@@ -30,6 +32,8 @@ def explain(model_or_fn, *args, dynamic=None, backend: str = "hstu", **kwargs) -
     torch._dynamo.reset()
     register()  # a no-op once registered (our frame config survives reset())
     compiled = torch.compile(model_or_fn, backend=backends[backend], dynamic=dynamic)
+    variants.reset_traced()
     with collecting() as report, graph_breaks.collect(report):
         report.output = compiled(*args, **kwargs)
+    report.variants = variants.traced()
     return report

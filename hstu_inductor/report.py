@@ -97,6 +97,8 @@ class RewriteReport:
     graph_breaks: list = dataclasses.field(default_factory=list)  # GraphBreak, filled by explain()
     fallbacks: list = dataclasses.field(default_factory=list)  # Fallback: a stage of ours raised
     proofs: list = dataclasses.field(default_factory=list)  # (kind, node, seconds) per proven candidate
+    # attention implementations chosen while the graphs were traced (ops/variants.py): "fwd:gluon_ws" -> count
+    variants: dict = dataclasses.field(default_factory=dict)
     # one ``graph_breaks.GraphRecord`` per Dynamo graph compiled (where it starts/ends, what it holds)
     records: list = dataclasses.field(default_factory=list, repr=False)
 
@@ -126,6 +128,8 @@ class RewriteReport:
         if self.lowered:
             lines.append("  after AOTAutograd (fwd+bwd graphs compiled now; none on a cache hit):")
             lines += [f"    {what}: {n}" for what, n in sorted(self.lowered.items())]
+        if self.variants:
+            lines.append("  attention kernels chosen: " + ", ".join(f"{k} x{n}" for k, n in sorted(self.variants.items())))
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -138,6 +142,7 @@ class RewriteReport:
             "fallbacks": [dataclasses.asdict(f) for f in self.fallbacks],
             "cost_rule": list(self.cost_rule),
             "proofs": [{"kind": kind, "node": node, "seconds": seconds} for kind, node, seconds in self.proofs],
+            "variants": dict(self.variants),
             "lowered": dict(self.lowered),
         }
 

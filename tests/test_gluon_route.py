@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hstu_inductor  # noqa: F401  (registers torch.ops.hstu.*)
 from hstu_inductor import config
 from hstu_inductor.ops import _gluon
+from hstu_inductor.spec import AttentionSpec
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def _qkv(L=10, H=2, D=128, dtype=torch.bfloat16, fused=True):
 
 
 def _route(q, k, v, nt=None, scale=None, w=0, c=0, f=0, causal=True, bias=False):
-    return _gluon.route(q, k, v, nt, scale, w, c, f, causal, bias)
+    return _gluon.route(q, k, v, nt, scale, AttentionSpec(causal, w, c, f), bias)
 
 
 def test_eager_direct(sm90):
@@ -73,7 +74,7 @@ def test_no_device_or_module(monkeypatch):
 
 
 def _route_bwd(g, q, k, v, nt=None, scale=None, w=0, c=0, f=0, causal=True, bias=False, scale_grad=False):
-    return _gluon.route_bwd(g, q, k, v, nt, scale, w, c, f, causal, bias, scale_grad)
+    return _gluon.route_bwd(g, q, k, v, nt, scale, AttentionSpec(causal, w, c, f), bias, scale_grad)
 
 
 def _traced_route(q, k, v, bwd=False):
@@ -179,9 +180,9 @@ def stand_ins(monkeypatch):
             return tuple(t.contiguous() for t in got[:3])
         return run
 
-    ops_attention = importlib.import_module("hstu_inductor.ops.attention")
-    triton = SimpleNamespace(hstu_attention_fwd=fwd("triton_fwd"), hstu_attention_bwd=bwd("triton_bwd"))
-    monkeypatch.setattr(ops_attention, "_kernels_for", lambda t: triton)
+    triton = SimpleNamespace(hstu_attention_fwd=fwd("triton_fwd"), hstu_attention_bwd=bwd("triton_bwd"),
+                             uses_tma=lambda *a: False)
+    monkeypatch.setattr(importlib.import_module("hstu_inductor.ops._kernels"), "kernels_for", lambda t: triton)
     monkeypatch.setattr(_gluon, "_device_ok", lambda device: True)
     monkeypatch.setattr(_gluon, "_module", lambda: SimpleNamespace(gluon_forward=fwd("gluon_fwd")))
     monkeypatch.setattr(_gluon, "_bwd_module", lambda: SimpleNamespace(gluon_backward=bwd("gluon_bwd")))

@@ -107,7 +107,8 @@ def test_cuda_branch_empty_batch_with_targets(lengths, monkeypatch):
     from hstu_inductor.ops._checks import _flags
 
     ops_attention = importlib.import_module("hstu_inductor.ops.attention")  # the module, not the op it exports
-    monkeypatch.setattr(ops_attention, "_kernels_for", lambda t: K)  # the CUDA branch, on CPU tensors
+    # the CUDA branch, on CPU tensors
+    monkeypatch.setattr(importlib.import_module("hstu_inductor.ops._kernels"), "kernels_for", lambda t: K)
     from hstu_inductor.kernels import delta as Kd
     monkeypatch.setattr(ops_attention, "_delta_kernels_for", lambda t: Kd)
     off, nt = offsets_from_lengths(lengths), torch.zeros(len(lengths), dtype=torch.int64)

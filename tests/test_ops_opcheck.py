@@ -627,9 +627,9 @@ def test_attention_validation_of_options():
     q, k, v, off = _good()
     with pytest.raises(RuntimeError, match="attn_scale must be a scalar or have shape"):
         ops.attention(q, k, v, off, 6, 0.5, None, torch.ones(3))
-    with pytest.raises(RuntimeError, match="max_attn_len must be >= 0"):
+    with pytest.raises(ValueError, match="max_attn_len must be >= 0"):
         ops.attention(q, k, v, off, 6, 0.5, None, None, -1)
-    with pytest.raises(RuntimeError, match="contextual_seq_len must be >= 0"):
+    with pytest.raises(ValueError, match="contextual_seq_len must be >= 0"):
         ops.attention(q, k, v, off, 6, 0.5, None, None, 0, -2)
 
 

@@ -481,5 +481,5 @@ def test_non_causal_rejects_mask_options():
     from hstu_inductor.reference import hstu_mha
 
     q = torch.randn(3, 1, 2)
-    with pytest.raises(RuntimeError, match="causal=False"):
+    with pytest.raises(ValueError, match="causal=False"):
         hstu_mha(4, 0.5, q, q, q, offsets_from_lengths([3]), causal=False, max_attn_len=1)

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from .. import _compat, config
+from ..spec import AttentionSpec
 from . import attention_bias_args as _bias_args
 from . import attention_jit as _jit
 from .attention_bias_args import _iv_args, _rab_args, _tab_args
@@ -294,6 +295,12 @@ def _use_tma(tma, device, tensors, max_seq_len=None) -> bool:
     return ok_dev and all(_tma_ok(t) for t in tensors)  # layout checks (and their guards) only when usable
 
 
+def uses_tma(tma, device, tensors, max_seq_len=None) -> bool:
+    """Whether a launch with ``tma`` (True / False / None: where it pays) on ``tensors`` uses descriptors;
+    raises when ``tma=True`` cannot be honoured."""
+    return _use_tma(tma, device, tensors, max_seq_len)
+
+
 def _alloc_fn(size: int, alignment: int, stream):
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
@@ -372,30 +379,6 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, intervals=None):
-    causal = bool(causal)
-    if min(max_attn_len, contextual_seq_len, min_full_attn_seq_len) < 0:
-        raise ValueError("hstu attention: max_attn_len, contextual_seq_len, min_full_attn_seq_len must be >= 0")
-    if intervals is not None:
-        if num_targets is not None or max_attn_len or contextual_seq_len or min_full_attn_seq_len:
-            raise ValueError("hstu attention: intervals replace the causal/targets/window/contextual mask; "
-                             "num_targets, max_attn_len, contextual_seq_len and min_full_attn_seq_len must then "
-                             "be unset/0")
-        # the interval mask alone decides (causal has no effect); CAUSAL=False keeps the id helpers trivial
-        return dict(CAUSAL=False, HAS_TGT=False, HAS_CTX=False, HAS_WINDOW=False, HAS_MINFULL=False, HAS_IV=True)
-    if not causal and (num_targets is not None or max_attn_len or contextual_seq_len or min_full_attn_seq_len):
-        raise ValueError("hstu attention: causal=False means full attention inside each sequence; num_targets, "
-                         "max_attn_len, contextual_seq_len and min_full_attn_seq_len must then be unset/0")
-    has_window = causal and max_attn_len > 0
-    return dict(
-        CAUSAL=causal,
-        HAS_TGT=causal and num_targets is not None,
-        HAS_CTX=causal and contextual_seq_len > 0,
-        HAS_WINDOW=has_window,
-        HAS_MINFULL=has_window and min_full_attn_seq_len > 0,
-    )
-
-
 def _seq_major() -> bool:
     """Tile order (:func:`_tile`). ``config.tile_order = "block"`` (``HSTU_INDUCTOR_TILE_ORDER=block``)
     selects the block-major order, for side-by-side benchmarks."""
@@ -426,13 +409,12 @@ def _prec(dtype) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
-         min_full_attn_seq_len, causal, delta_rows, tma, rab=None, intervals=None, timestamps=None, pos_w=None,
-         ts_w=None, ts_bounds=None, ts_next=True):
+def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, spec: AttentionSpec, delta_rows, tma,
+         rab=None, intervals=None, timestamps=None, pos_w=None, ts_w=None, ts_bounds=None):
     _check_inputs(q, k, v, seq_offsets, num_targets)
     seq_offsets = address_source(seq_offsets)
     tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len, ts_bounds,
-                                             seq_offsets.shape[0] - 1, ts_next)
+                                             seq_offsets.shape[0] - 1, spec.ts_next)
     rows, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
@@ -441,13 +423,12 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
         return out.zero_()
     use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
-    flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, intervals)
+    flags = spec.kernel_flags(has_targets=num_targets is not None, has_intervals=intervals is not None)
     bdq, bdv = _block_d(Dq), _block_d(Dv)
     args = (q, k, v, out, seq_offsets, num_targets, scale_t,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_s,  # one call each: all are 3-D
             float(alpha), float(scale_const), 1.0,
-            H, Dq, Dv, k.shape[0], max_seq_len, delta_rows, int(contextual_seq_len), int(max_attn_len), int(min_full_attn_seq_len),
-            _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows) + tab_args \
+            H, Dq, Dv, k.shape[0], max_seq_len, delta_rows, *spec.kernel_lengths(), _n_bucket(max_seq_len)) + _rab_args(rab, B, H, max_seq_len) + _iv_args(intervals, H, rows) + tab_args \
         + tab_bnd
     if rab is not None:  # only then: without rab/intervals the launch (and the kernel) is the bias-free one
         flags["HAS_RAB"] = True
@@ -466,15 +447,16 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_
 def hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num_targets=None, attn_scale=None,
                        max_attn_len: int = 0, contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0,
                        causal: bool = True, *, tma=None, rab=None, intervals=None, timestamps=None, pos_w=None,
-                       ts_w=None, ts_bounds=None, ts_next=True) -> torch.Tensor:
+                       ts_w=None, ts_bounds=None, ts_next=True, spec: Optional[AttentionSpec] = None) -> torch.Tensor:
     """Jagged HSTU attention forward: ``[L, H, Dv]`` in the dtype of ``q``. ``rab: [B|1, H|1, N, N]`` is added
     inside the silu; ``intervals: [H|1, L, 3]`` replaces the mask; ``pos_w: [2N-1]`` and/or ``ts_w:
     [num_buckets+1]`` with ``timestamps: [L]`` add the table bias computed in the kernel (docs/semantics.md);
     ``ts_bounds: [num_buckets]`` are its time-bucket thresholds (None: the default fp64-log bucket's);
-    ``ts_next``: the gap of the time bucket is ``ts(next(i)) - ts(j)`` (the original HSTU), else ``ts(i) - ts(j)``."""
-    return _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
-                contextual_seq_len, min_full_attn_seq_len, causal, 0, tma, rab, intervals, timestamps, pos_w, ts_w,
-                ts_bounds, ts_next)
+    ``ts_next``: the gap of the time bucket is ``ts(next(i)) - ts(j)`` (the original HSTU), else ``ts(i) - ts(j)``.
+    ``spec``: all mask options at once (what the ops pass), in place of the loose ones."""
+    spec = spec or AttentionSpec(causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len, ts_next)
+    return _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, spec, 0, tma, rab, intervals,
+                timestamps, pos_w, ts_w, ts_bounds)
 
 
 def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
@@ -492,17 +474,19 @@ def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num
         raise ValueError(f"delta_q rows {delta_q.shape[0]} not a multiple of B={B}")
     if D == 0:
         return delta_q.new_zeros((0, delta_q.shape[1], v.shape[2]))
-    return _fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
-                contextual_seq_len, 0, True, D, tma)
+    spec = AttentionSpec(True, max_attn_len, contextual_seq_len)
+    return _fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, spec, D, tma)
 
 
 def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
                        max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, causal=True, *,
                        deterministic=False, tma=None, rab=None, intervals=None, rab_grad=False, timestamps=None,
-                       pos_w=None, ts_w=None, table_grad=False, ts_bounds=None, ts_next=True):
+                       pos_w=None, ts_w=None, table_grad=False, ts_bounds=None, ts_next=True,
+                       spec: Optional[AttentionSpec] = None):
     """Gradients (dq, dk, dv) of :func:`hstu_attention_fwd` (not of ``attn_scale``); ``d_rab`` (rab's shape and
     dtype, summed over its broadcast dims) appended when ``rab_grad``, then ``(d_pos_w, d_ts_w)`` (the
-    tables' dtypes; None for an absent table) when ``table_grad``."""
+    tables' dtypes; None for an absent table) when ``table_grad``. ``spec`` as in :func:`hstu_attention_fwd`."""
+    spec = spec or AttentionSpec(causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len, ts_next)
     _check_inputs(q, k, v, seq_offsets, num_targets)
     seq_offsets = address_source(seq_offsets)
     L, H, Dq = q.shape
@@ -511,7 +495,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     rab_grad = bool(rab_grad) and rab is not None
     rab_args = _rab_args(rab, B, H, max_seq_len)
     iv_args = _iv_args(intervals, H, L)
-    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds, B, ts_next)
+    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds, B, spec.ts_next)
     table_grad = bool(table_grad) and bool(tab_flags)
     if rab_grad or (table_grad and pos_w is not None):
         # d rab / d pos_w addresses follow the query block, whose range comes from num_targets (address_source)
@@ -563,7 +547,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
         dout = dout.to(q.dtype)
     use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
-    flags = _flags(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, intervals)
+    flags = spec.kernel_flags(has_targets=num_targets is not None, has_intervals=intervals is not None)
     if rab is not None:  # only then: without rab/intervals the launches (and the kernels) are the bias-free ones
         flags["HAS_RAB"] = True
     flags.update(tab_flags)
@@ -583,8 +567,8 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     common = dict(flags, SCALE_MODE=scale_mode, TMA=use_tma, SEQ_MAJOR=_seq_major(),
                   FAST=_fast_silu(q.dtype, q.device), PREC=_prec(q.dtype), EVEN_DQ=bdq == Dq, EVEN_DV=bdv == Dv,
                   BLOCK_DQ=bdq, BLOCK_DV=bdv)
-    tail = (float(alpha), float(scale_const), H, Dq, Dv, L, max_seq_len, int(contextual_seq_len), int(max_attn_len),
-            int(min_full_attn_seq_len), _n_bucket(max_seq_len))
+    tail = (float(alpha), float(scale_const), H, Dq, Dv, L, max_seq_len, *spec.kernel_lengths(),
+            _n_bucket(max_seq_len))
     if split:
         dq = _new((L, H, Dq), q.dtype, q.device)
         dq_acc = None

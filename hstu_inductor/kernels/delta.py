@@ -57,6 +57,7 @@ from . import delta_plans as P
 from .attention_fwd import _fwd_inner
 from .attention_jit import _bias_operands, _fwd_key_range, _id_end, _ids, _load_rows, _rows, _seq_bounds
 from .. import _compat
+from ..spec import AttentionSpec
 from .. import config as options  # `config` is the tile argument of the functions here
 from .common import address_source, interpret, launcher, new_tensor
 
@@ -296,7 +297,7 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
     if rq == 0 or H == 0 or max_seq_len <= 0:
         return out.zero_()
     scale_mode, scale_const, scale_t, stride_s = A._scale_args(attn_scale, max_seq_len, delta_q.device, rq)
-    flags = A._flags(True, num_targets, max_attn_len, contextual_seq_len, 0)
+    flags = AttentionSpec(True, max_attn_len, contextual_seq_len).kernel_flags(has_targets=num_targets is not None)
     flags.pop("HAS_MINFULL")
     bdq, bdv = A._block_d(Dq), A._block_d(Dv)
     plan = _plan_for(D, delta_q.dtype, plan, config, max_seq_len)

@@ -36,6 +36,9 @@ from torch import Tensor
 
 from .. import config
 from .._compat import guarded, plain_eager
+from ..spec import AttentionSpec
+from . import variants
+from . import _kernels
 from ._kernels import load
 
 log = logging.getLogger("hstu_inductor")
@@ -90,17 +93,12 @@ def _aot_or_export() -> bool:
         return True
 
 
-def _in_scope(q: Tensor, k: Tensor, v: Tensor, attn_scale: Optional[Tensor], max_attn_len: int,
-              contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool, has_bias: bool, module) -> bool:
+def _in_scope(q: Tensor, k: Tensor, v: Tensor, attn_scale: Optional[Tensor], spec: AttentionSpec, has_bias: bool,
+              module) -> bool:
     """The Gluon kernels' scope (forward and backward alike); ``module`` loads the kernel module."""
     if config.gluon == "off":
         return False
-    if has_bias or attn_scale is not None or not causal:
-        return False
-    if not (isinstance(max_attn_len, int) and isinstance(contextual_seq_len, int)
-            and isinstance(min_full_attn_seq_len, int)):
-        return False  # symbolic mask sizes: keep the general kernel
-    if max_attn_len or contextual_seq_len or min_full_attn_seq_len:
+    if has_bias or attn_scale is not None or not spec.plain_causal:
         return False
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
@@ -125,28 +123,25 @@ def _launch_mode(*tensors) -> Optional[str]:
 
 
 def route(q: Tensor, k: Tensor, v: Tensor, num_targets: Optional[Tensor], attn_scale: Optional[Tensor],
-          max_attn_len: int, contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool,
-          has_bias: bool) -> Optional[str]:
+          spec: AttentionSpec, has_bias: bool) -> Optional[str]:
     """How the forward of this call uses the Gluon kernel: ``"direct"`` (launch it), ``"op"`` (through
-    ``hstu::_gluon_fwd``), or None (the Triton kernel)."""
-    if not _in_scope(q, k, v, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, has_bias,
-                     _module):
+    ``hstu::_gluon_fwd``), or None (out of scope: another variant runs)."""
+    if not _in_scope(q, k, v, attn_scale, spec, has_bias, _module):
         return None
     return _launch_mode(q, k, v, num_targets)
 
 
 def route_bwd(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, num_targets: Optional[Tensor],
-              attn_scale: Optional[Tensor], max_attn_len: int, contextual_seq_len: int, min_full_attn_seq_len: int,
-              causal: bool, has_bias: bool, need_scale_grad: bool) -> Optional[str]:
-    """:func:`route` for the backward: ``"direct"``, ``"op"`` (through ``hstu::_gluon_bwd``) or None (the Triton
-    backward). ``has_bias``: rab, intervals or table bias given."""
+              attn_scale: Optional[Tensor], spec: AttentionSpec, has_bias: bool,
+              need_scale_grad: bool) -> Optional[str]:
+    """:func:`route` for the backward: ``"direct"``, ``"op"`` (through ``hstu::_gluon_bwd``) or None.
+    ``has_bias``: rab, intervals or table bias given."""
     if need_scale_grad or grad.dim() != 3:
         return None
     if not (guarded(grad.shape[0] == q.shape[0]) and guarded(grad.shape[1] == q.shape[1])
             and guarded(grad.shape[2] == q.shape[2])):
         return None
-    if not _in_scope(q, k, v, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, has_bias,
-                     _bwd_module):
+    if not _in_scope(q, k, v, attn_scale, spec, has_bias, _bwd_module):
         return None
     return _launch_mode(grad, q, k, v, num_targets)
 
@@ -204,3 +199,32 @@ _LIB.impl("_gluon_bwd", gluon_bwd, "CompositeExplicitAutograd")
 @torch.library.register_fake("hstu::_gluon_bwd", lib=_LIB)
 def _(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+# The Gluon kernels as variants of hstu::attention: above the Triton kernels wherever they are in scope. The
+# Triton kernels must be enabled too (config.kernels = "off" runs the reference everywhere).
+
+
+def _fwd_scope(c: variants.AttentionCall) -> Optional[str]:
+    if _kernels.kernels_for(c.q) is None:
+        return None
+    return route(c.q, c.k, c.v, c.num_targets, c.attn_scale, c.spec, c.has_bias)
+
+
+def _bwd_scope(c: variants.AttentionCall) -> Optional[str]:
+    if c.need_scale_grad or _kernels.kernels_for(c.q) is None:
+        return None
+    return route_bwd(c.grad, c.q, c.k, c.v, c.num_targets, c.attn_scale, c.spec, c.has_bias, c.need_scale_grad)
+
+
+def _fwd_run(how: str, c: variants.AttentionCall):
+    return forward(how, c.q, c.k, c.v, c.seq_offsets, c.max_seq_len, c.alpha, c.num_targets)
+
+
+def _bwd_run(how: str, c: variants.AttentionCall):
+    dq, dk, dv = backward(how, c.grad, c.q, c.k, c.v, c.seq_offsets, c.max_seq_len, c.alpha, c.num_targets)
+    return dq, dk, dv, c.q.new_empty(0), None, None, None  # no bias in scope: no d_rab / table gradients
+
+
+variants.register(variants.Variant("gluon_ws", "fwd", 30, _fwd_scope, _fwd_run))
+variants.register(variants.Variant("gluon_ws", "bwd", 30, _bwd_scope, _bwd_run))

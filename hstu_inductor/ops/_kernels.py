@@ -31,6 +31,12 @@ def cuda_kernels():
     return _enabled("attention", "Triton kernels", "CUDA ops run the eager reference")
 
 
+def kernels_for(t):
+    """The attention kernels module when ``t`` lives on CUDA and kernels are enabled, else None (the scope of
+    every kernel variant starts here)."""
+    return cuda_kernels() if t.device.type == "cuda" else None
+
+
 def delta_kernels():
     """:mod:`hstu_inductor.kernels.delta` (cached attention), or None when disabled or unavailable."""
     return _enabled("delta", "cached-attention Triton kernels", "the reference runs")

@@ -45,20 +45,18 @@ from .. import config
 from .._compat import plain_eager
 from ..reference import (delta_hstu_mha, hstu_mha, hstu_mha_backward, relative_bias, relative_bias_backward,
                          validate_attention_inputs, validate_rab_intervals, validate_rab_tables)
-from . import _gluon
+from ..spec import AttentionSpec
+from . import _gluon  # noqa: F401  (registers the Gluon variants)
+from . import variants
 from ._checks import check_jagged_values
-from ._kernels import cuda_kernels, delta_kernels
+from . import _kernels
+from ._kernels import delta_kernels
 
 __all__ = ["attention", "attention_bwd", "attention_bwd_rab", "attention_bwd_bias", "delta_attention"]
 
 
 def _tma():
     return {"auto": None, "on": True, "off": False}[config.tma]
-
-
-def _kernels_for(t: Tensor):
-    """The kernels module when ``t`` lives on CUDA and kernels are enabled, else None."""
-    return cuda_kernels() if t.device.type == "cuda" else None
 
 
 def _delta_kernels_for(t: Tensor):
@@ -90,164 +88,209 @@ def _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale,
 
 
 @triton_op("hstu::attention", mutates_args=())
+@AttentionSpec.op_params
 def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int, alpha: float,
               num_targets: Optional[Tensor] = None, attn_scale: Optional[Tensor] = None, max_attn_len: int = 0,
               contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0, causal: bool = True,
               rab: Optional[Tensor] = None, intervals: Optional[Tensor] = None, timestamps: Optional[Tensor] = None,
               pos_w: Optional[Tensor] = None, ts_w: Optional[Tensor] = None,
-              ts_bounds: Optional[Tensor] = None, ts_next: bool = True) -> Tensor:
+              ts_bounds: Optional[Tensor] = None, ts_next: bool = True, **added) -> Tensor:
     """Jagged HSTU attention forward, ``[L, H, Dv]`` (see ``reference.hstu_mha``); the bias inside the silu is
     ``rab`` plus the table bias of ``timestamps``/``pos_w``/``ts_w`` (docs/semantics.md), time buckets from the
     thresholds ``ts_bounds`` (None: those of the default fp64-log bucket) of the gap ``ts(next(i)) - ts(j)``
     (``ts_next``, the original HSTU) or ``ts(i) - ts(j)``."""
-    plain = not _has_bias(rab, intervals, timestamps, pos_w, ts_w, ts_bounds)
-    if not (plain and _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
-                                       contextual_seq_len, min_full_attn_seq_len, causal)):
+    spec = AttentionSpec.from_op_args(max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, ts_next,
+                                      **added)
+    call = variants.AttentionCall(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, spec, rab,
+                                  intervals, timestamps, pos_w, ts_w, ts_bounds)
+    if call.has_bias or not _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale,
+                                             max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal):
         validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
                                   contextual_seq_len, min_full_attn_seq_len, causal=causal, check_values=False)
         validate_rab_intervals(q, seq_offsets, max_seq_len, rab, intervals, num_targets, max_attn_len,
                                contextual_seq_len, min_full_attn_seq_len)
         validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w, ts_bounds, seq_offsets)
     check_jagged_values(seq_offsets, k.shape[0], max_seq_len, num_targets)
-    kern = _kernels_for(q)
-    if kern is not None:
-        how = _gluon.route(q, k, v, num_targets, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len,
-                           causal, not plain)
-        if how is not None:
-            return _gluon.forward(how, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
-        return kern.hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
-                                       max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, tma=_tma(),
-                                       **_bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds, ts_next))
-    return hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal=causal, dropout_pr=0.0, training=False,
-                    num_targets=num_targets, attn_scale=attn_scale, max_attn_len=max_attn_len,
-                    contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len,
-                    rab=_dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds, ts_next),
-                    intervals=intervals).contiguous()
+    return variants.run("fwd", call)
 
 
-def _has_bias(*bias_args) -> bool:
-    """Any of rab, intervals, timestamps, pos_w, ts_w, ts_bounds given (the kernels' bias/mask extras)."""
-    return any(t is not None for t in bias_args)
+# --------------------------------------------------------------------------------------------
+# Variants: the Triton kernels (TMA descriptors or pointer loads) and the eager reference.
+# The warp-specialised Gluon kernels register in ops/_gluon.py.
+# --------------------------------------------------------------------------------------------
 
 
-def _has_tables(pos_w, ts_w) -> bool:
-    return pos_w is not None or ts_w is not None
+def _triton_scope(tma: bool):
+    """Scope of the Triton kernels with (``tma``) or without tensor descriptors: CUDA with the kernels enabled,
+    and for the backward no ``attn_scale`` gradient (the kernels do not compute it)."""
+    def scope(c: variants.AttentionCall):
+        if c.need_scale_grad:
+            return None
+        kern = _kernels.kernels_for(c.q)
+        if kern is None:
+            return None
+        uses = kern.uses_tma(_tma(), c.q.device, (c.q, c.k, c.v), c.max_seq_len)
+        return kern if uses == tma else None
+    return scope
 
 
-def _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds=None, ts_next=True) -> dict:
+def _triton_fwd(tma: bool):
+    def run(kern, c: variants.AttentionCall):
+        return kern.hstu_attention_fwd(c.q, c.k, c.v, c.seq_offsets, c.max_seq_len, c.alpha, c.num_targets,
+                                       c.attn_scale, spec=c.spec, tma=tma, **_bias_kw(c))
+    return run
+
+
+def _reference_fwd(_, c: variants.AttentionCall):
+    return hstu_mha(c.max_seq_len, c.alpha, c.q, c.k, c.v, c.seq_offsets, dropout_pr=0.0, training=False,
+                    num_targets=c.num_targets, attn_scale=c.attn_scale, rab=_dense_bias(c), intervals=c.intervals,
+                    spec=c.spec).contiguous()
+
+
+def _always(_c):
+    return True
+
+
+def _bias_kw(c: variants.AttentionCall) -> dict:
     """Kernel keywords; none at all without a bias or intervals (the launch is then the bias-free one)."""
     kw = {}
-    if rab is not None or intervals is not None:
-        kw.update(rab=rab, intervals=intervals)
-    if _has_tables(pos_w, ts_w):
-        kw.update(timestamps=timestamps if ts_w is not None else None, pos_w=pos_w, ts_w=ts_w)
-        if ts_bounds is not None:  # None: the kernels use the default thresholds (cached there)
-            kw["ts_bounds"] = ts_bounds
-        if not ts_next:
-            kw["ts_next"] = False
+    if c.rab is not None or c.intervals is not None:
+        kw.update(rab=c.rab, intervals=c.intervals)
+    if c.has_tables:
+        kw.update(timestamps=c.timestamps if c.ts_w is not None else None, pos_w=c.pos_w, ts_w=c.ts_w)
+        if c.ts_bounds is not None:  # None: the kernels use the default thresholds (cached there)
+            kw["ts_bounds"] = c.ts_bounds
     return kw
 
 
-def _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds=None, ts_next=True):
+def _dense_bias(c: variants.AttentionCall):
     """The reference path's bias: ``rab`` plus the materialised table bias ``[B, 1, N, N]``."""
-    if not _has_tables(pos_w, ts_w):
-        return rab
-    tb = relative_bias(timestamps, seq_offsets, max_seq_len, pos_w, ts_w, ts_bounds, ts_next)
-    return tb if rab is None else rab + tb
+    if not c.has_tables:
+        return c.rab
+    tb = relative_bias(c.timestamps, c.seq_offsets, c.max_seq_len, c.pos_w, c.ts_w, c.ts_bounds, c.spec.ts_next)
+    return tb if c.rab is None else c.rab + tb
+
+
+def _empty(q):
+    return q.new_empty(0)  # a fresh one per output: outputs may not alias
+
+
+def _triton_bwd(tma: bool):
+    def run(kern, c: variants.AttentionCall):
+        """``(dq, dk, dv, d_scale, d_rab, d_pos, d_ts)``, None for gradients not computed."""
+        extra = _bias_kw(c)
+        need_rab = c.need_rab_grad and c.rab is not None
+        need_tab = c.need_table_grad and c.has_tables
+        if c.rab is not None or c.intervals is not None:
+            extra["rab_grad"] = need_rab
+        if need_tab:
+            extra["table_grad"] = True
+        got = kern.hstu_attention_bwd(c.grad, c.q, c.k, c.v, c.seq_offsets, c.max_seq_len, c.alpha, c.num_targets,
+                                      c.attn_scale, spec=c.spec, deterministic=config.deterministic, tma=tma,
+                                      **extra)
+        rest = list(got[3:])
+        d_rab = rest.pop(0) if need_rab else None
+        d_pos, d_ts = rest if need_tab else (None, None)
+        return got[0], got[1], got[2], _empty(c.q), d_rab, d_pos, d_ts
+    return run
+
+
+def _reference_bwd(_, c: variants.AttentionCall):
+    need_rab = c.need_rab_grad and c.rab is not None
+    need_tab = c.need_table_grad and c.has_tables
+    got = hstu_mha_backward(c.grad, c.max_seq_len, c.alpha, c.q, c.k, c.v, c.seq_offsets,
+                            num_targets=c.num_targets, attn_scale=c.attn_scale, need_scale_grad=c.need_scale_grad,
+                            rab=_dense_bias(c), intervals=c.intervals, need_rab_grad=need_rab or need_tab,
+                            spec=c.spec)
+    dq, dk, dv = (t.contiguous() for t in got[:3])
+    d_scale = got[3].contiguous() if c.need_scale_grad else _empty(c.q)
+    d_rab = d_pos = d_ts = None
+    if need_rab:
+        d_rab = got[4].sum_to_size(c.rab.shape).to(c.rab.dtype).contiguous()
+    if need_tab:
+        d_pos, d_ts = relative_bias_backward(got[4], c.timestamps, c.seq_offsets, c.max_seq_len,
+                                             c.ts_w.shape[0] - 1 if c.ts_w is not None else None, c.ts_bounds,
+                                             c.spec.ts_next)
+        d_pos = d_pos.to(c.pos_w.dtype) if c.pos_w is not None else None
+        d_ts = d_ts.to(c.ts_w.dtype) if c.ts_w is not None else None
+    return dq, dk, dv, d_scale, d_rab, d_pos, d_ts
+
+
+for _direction, _run_triton, _run_reference in (("fwd", _triton_fwd, _reference_fwd),
+                                               ("bwd", _triton_bwd, _reference_bwd)):
+    variants.register(variants.Variant("triton_tma", _direction, 20, _triton_scope(True), _run_triton(True)))
+    variants.register(variants.Variant("triton", _direction, 10, _triton_scope(False), _run_triton(False)))
+    variants.register(variants.Variant("reference", _direction, 0, _always, _run_reference))
 
 
 def _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
          min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad, timestamps=None, pos_w=None,
-         ts_w=None, need_table_grad=None, ts_bounds=None, ts_next=True):
+         ts_w=None, need_table_grad=None, ts_bounds=None, ts_next=True, added=None):
     """Body of the backward ops: ``(dq, dk, dv, d_attn_scale[, d_rab])``, empty ``d_attn_scale`` unless
     requested (the kernels do not compute it, so that case runs the reference). ``need_table_grad`` not
     None (``attention_bwd_bias``): always ``(dq, dk, dv, d_attn_scale, d_rab, d_pos_w, d_ts_w)``, empty
     tensors for gradients not requested."""
-    bias_op = need_table_grad is not None
-    need_tab = bool(need_table_grad) and _has_tables(pos_w, ts_w)
-    need_rab = need_rab_grad and rab is not None
-    empty = lambda: q.new_empty(0)  # noqa: E731  (a fresh one per output: outputs may not alias)
-    kern = None if need_scale_grad else _kernels_for(q)
-    how = None if kern is None else _gluon.route_bwd(
-        grad, q, k, v, num_targets, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal,
-        _has_bias(rab, intervals, timestamps, pos_w, ts_w, ts_bounds), need_scale_grad)
-    if how is not None:  # no bias in scope: no d_rab / table gradients to return
-        dq, dk, dv = _gluon.backward(how, grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets)
-        d_scale, d_rab, d_pos, d_ts = empty(), None, None, None
-    elif kern is not None:
-        extra = _bias_kw(rab, intervals, timestamps, pos_w, ts_w, ts_bounds, ts_next)
-        if rab is not None or intervals is not None:
-            extra["rab_grad"] = need_rab
-        if need_tab:
-            extra["table_grad"] = True
-        got = kern.hstu_attention_bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
-                                      max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal,
-                                      deterministic=config.deterministic, tma=_tma(), **extra)
-        dq, dk, dv, d_scale, rest = got[0], got[1], got[2], empty(), list(got[3:])
-        d_rab = rest.pop(0) if need_rab else None
-        d_pos, d_ts = rest if need_tab else (None, None)
-    else:
-        bias = _dense_bias(rab, seq_offsets, max_seq_len, timestamps, pos_w, ts_w, ts_bounds, ts_next)
-        need_bias = need_rab or need_tab
-        got = hstu_mha_backward(grad, max_seq_len, alpha, q, k, v, seq_offsets, causal, num_targets, attn_scale,
-                                max_attn_len, contextual_seq_len, min_full_attn_seq_len, need_scale_grad, rab=bias,
-                                intervals=intervals, need_rab_grad=need_bias)
-        dq, dk, dv = (t.contiguous() for t in got[:3])
-        d_scale = got[3].contiguous() if need_scale_grad else empty()
-        d_rab = d_pos = d_ts = None
-        if need_rab:
-            d_rab = got[4].sum_to_size(rab.shape).to(rab.dtype).contiguous()
-        if need_tab:
-            d_pos, d_ts = relative_bias_backward(got[4], timestamps, seq_offsets, max_seq_len,
-                                                 ts_w.shape[0] - 1 if ts_w is not None else None, ts_bounds,
-                                                 ts_next)
-            d_pos = d_pos.to(pos_w.dtype) if pos_w is not None else None
-            d_ts = d_ts.to(ts_w.dtype) if ts_w is not None else None
-    if not bias_op:
+    spec = AttentionSpec.from_op_args(max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, ts_next,
+                                      **(added or {}))
+    call = variants.AttentionCall(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, spec, rab,
+                                  intervals, timestamps, pos_w, ts_w, ts_bounds, grad=grad,
+                                  need_scale_grad=need_scale_grad, need_rab_grad=need_rab_grad,
+                                  need_table_grad=bool(need_table_grad))
+    dq, dk, dv, d_scale, d_rab, d_pos, d_ts = variants.run("bwd", call)
+    if need_table_grad is None:
         return (dq, dk, dv, d_scale) + ((d_rab,) if need_rab_grad else ())
-    return dq, dk, dv, d_scale, *(empty() if t is None else t for t in (d_rab, d_pos, d_ts))
+    return dq, dk, dv, d_scale, *(_empty(q) if t is None else t for t in (d_rab, d_pos, d_ts))
 
 
 @triton_op("hstu::attention_bwd", mutates_args=())
+@AttentionSpec.op_params
 def attention_bwd(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int,
                   alpha: float, num_targets: Optional[Tensor], attn_scale: Optional[Tensor], max_attn_len: int,
                   contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool,
                   need_scale_grad: bool, rab: Optional[Tensor] = None,
-                  intervals: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  intervals: Optional[Tensor] = None, **added) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv, d_attn_scale)``; ``d_attn_scale`` is empty unless requested."""
     return _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
-                contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, False)
+                contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, False, added=added)
 
 
 @triton_op("hstu::attention_bwd_rab", mutates_args=())
+@AttentionSpec.op_params
 def attention_bwd_rab(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int,
                       alpha: float, num_targets: Optional[Tensor], attn_scale: Optional[Tensor], max_attn_len: int,
                       contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool, need_scale_grad: bool,
-                      rab: Tensor, intervals: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                      rab: Tensor, intervals: Optional[Tensor], **added
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`attention_bwd` plus ``d_rab`` (rab's shape and dtype, summed over its broadcast dims)."""
     return _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
-                contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, True)
+                contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, True, added=added)
 
 
 @triton_op("hstu::attention_bwd_bias", mutates_args=())
+@AttentionSpec.op_params
 def attention_bwd_bias(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int,
                        alpha: float, num_targets: Optional[Tensor], attn_scale: Optional[Tensor], max_attn_len: int,
                        contextual_seq_len: int, min_full_attn_seq_len: int, causal: bool, need_scale_grad: bool,
                        rab: Optional[Tensor], intervals: Optional[Tensor], timestamps: Optional[Tensor],
                        pos_w: Optional[Tensor], ts_w: Optional[Tensor], need_rab_grad: bool,
-                       need_table_grad: bool, ts_bounds: Optional[Tensor] = None, ts_next: bool = True
+                       need_table_grad: bool, ts_bounds: Optional[Tensor] = None, ts_next: bool = True, **added
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward with the table bias: ``(dq, dk, dv, d_attn_scale, d_rab, d_pos_w, d_ts_w)``; a gradient not
     requested (or of an absent input) is an empty tensor. ``ts_bounds`` as in :func:`attention`."""
     validate_rab_tables(q, max_seq_len, timestamps, pos_w, ts_w, ts_bounds, seq_offsets)
     return _bwd(grad, q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len,
                 contextual_seq_len, min_full_attn_seq_len, causal, need_scale_grad, rab, intervals, need_rab_grad,
-                timestamps, pos_w, ts_w, need_table_grad, ts_bounds, ts_next)
+                timestamps, pos_w, ts_w, need_table_grad, ts_bounds, ts_next, added)
+
+
+# the forward's positional arguments; options added to AttentionSpec follow them (keyword-only)
+_N_POSITIONAL = 19
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
-     min_full_attn_seq_len, causal, rab, intervals, timestamps, pos_w, ts_w, ts_bounds, ts_next) = inputs
+     min_full_attn_seq_len, causal, rab, intervals, timestamps, pos_w, ts_w, ts_bounds, ts_next) = inputs[:_N_POSITIONAL]
+    ctx.added = dict(zip((f.name for f in AttentionSpec.added_fields()), inputs[_N_POSITIONAL:]))
     ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals, timestamps, pos_w, ts_w,
                           ts_bounds)
     ctx.args = (max_seq_len, alpha, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal)
@@ -263,22 +306,23 @@ def _backward(ctx, grad):
     max_seq_len, alpha, w, c, f, causal = ctx.args
     args = (grad.contiguous(), q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, w, c, f, causal,
             ctx.need_scale_grad)
+    kw = ctx.added
     d_rab = d_pos = d_ts = None
-    if _has_tables(pos_w, ts_w):
+    if pos_w is not None or ts_w is not None:
         dq, dk, dv, d_scale, d_rab, d_pos, d_ts = torch.ops.hstu.attention_bwd_bias(
             *args, rab, intervals, timestamps, pos_w, ts_w, ctx.need_rab_grad, ctx.need_table_grad, ts_bounds,
-            ctx.ts_next)
+            ctx.ts_next, **kw)
         d_rab = d_rab if ctx.need_rab_grad else None
         d_pos = d_pos if ctx.need_table_grad and pos_w is not None else None
         d_ts = d_ts if ctx.need_table_grad and ts_w is not None else None
     elif ctx.need_rab_grad:
-        dq, dk, dv, d_scale, d_rab = torch.ops.hstu.attention_bwd_rab(*args, rab, intervals)
+        dq, dk, dv, d_scale, d_rab = torch.ops.hstu.attention_bwd_rab(*args, rab, intervals, **kw)
     elif rab is None and intervals is None:  # the graph of models without rab/intervals is unchanged
-        dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args)
+        dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args, **kw)
     else:
-        dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args, rab, intervals)
+        dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args, rab, intervals, **kw)
     return (dq, dk, dv, None, None, None, None, (d_scale if ctx.need_scale_grad else None), None, None, None, None,
-            d_rab, None, None, d_pos, d_ts, None, None)
+            d_rab, None, None, d_pos, d_ts, None, None) + (None,) * len(kw)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

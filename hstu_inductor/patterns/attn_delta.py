@@ -429,8 +429,7 @@ def _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, f
             chosen = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, qpos, targets, N, alphas, mask_ints,
                           plan.num_targets is not None)
         alpha, c0, params = chosen
-        _, w, c, _ = params
-        mref = hstu_mask(lens, N, targets, w, c, 0, True, qpos)[bb, ii, jj].expand(X.shape)
+        mref = hstu_mask(lens, N, targets, query_positions=qpos, spec=params)[bb, ii, jj].expand(X.shape)
         expect = torch.where(mref, c0 * s_at * silu(alpha * S_at), torch.zeros((), dtype=torch.float64))
         if not close(torch.where(in_seq, X, 0.0), torch.where(in_seq, expect, 0.0)):
             raise Decline(f"delta scores differ from mask(rows n_b-D..n_b-1) * scale * silu(alpha * qk) on probe "
@@ -454,11 +453,10 @@ def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, qpos, targets, N, alphas, mask
     o_s = obs.reshape(-1)[flat_idx]
     params = None
     for cand in mask_candidates(mask_ints, N, has_targets):
-        causal, w, c, f = cand
-        if not causal or f != 0:  # the op is causal with min_full_attn_seq_len = 0
+        if not cand.causal or cand.min_full_attn_seq_len != 0:  # the op is causal with min_full_attn_seq_len = 0
             continue
-        if torch.equal(valid_at(b_s, i_s, j_s, lens, targets, w, c, 0, True), o_s):
-            full = hstu_mask(lens, N, targets, w, c, 0, True, qpos)[bb, ii, jj].expand(X.shape)
+        if torch.equal(valid_at(b_s, i_s, j_s, lens, targets, cand), o_s):
+            full = hstu_mask(lens, N, targets, query_positions=qpos, spec=cand)[bb, ii, jj].expand(X.shape)
             if torch.equal(full & in_seq, obs):
                 params = cand
                 break
@@ -485,14 +483,15 @@ def rewrite_delta(gm, plan):
         v3 = regroup(graph, v.src, fv, "v", [plan.v_head_modes, plan.e_modes])
         dtype = meta_val(q.src).dtype
         scale = emit_scale(graph, plan, dtype, meta_val(q.src).device)
-        _, w, c, _ = plan.params
+        spec = plan.params
         y = emit_call(graph, torch.ops.hstu.delta_attention.default,
-                    [q3, k3, v3, plan.offsets, plan.N, plan.alpha, plan.num_targets, scale, w, c])
+                      [q3, k3, v3, plan.offsets, plan.N, plan.alpha, plan.num_targets, scale, spec.max_attn_len,
+                       spec.contextual_seq_len], spec.added_op_kwargs())
         replace_output(graph, plan, y, dtype)
 
 
 def describe_delta(plan) -> str:
-    _, w, c, _ = plan.params
+    w, c = plan.params.max_attn_len, plan.params.contextual_seq_len
     parts = [f"N={plan.N}", f"D={plan.Dd}" if plan.Dd.is_Integer else "D=R//B (dynamic)", f"alpha={plan.alpha:g}",
              f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
     parts.append(describe_scale(plan))

@@ -11,6 +11,7 @@ inputs first (``sizes.py``). :func:`describe` is the one-line report of a rewrit
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
@@ -119,7 +120,8 @@ def rewrite(gm, plan: Plan):
         dtype = meta_val(q.src).dtype
         plan.N_arg = emit_n(graph, plan)
         scale = emit_scale(graph, plan, dtype, meta_val(q.src).device)
-        causal, w, c, f = (emit_param(graph, x) for x in plan.params)
+        w, c, f, causal = (emit_param(graph, x) for x in plan.params.op_args())
+        added = {name: emit_param(graph, x) for name, x in plan.params.added_op_kwargs().items()}
         plan.offsets_arg = emit_offsets(graph, plan)
         args = [q3, k3, v3, plan.offsets_arg, plan.N_arg, plan.alpha, plan.num_targets, scale, w, c, f, causal]
         call = lambda t, a, kw=None: emit_call(graph, t, a, kw)  # noqa: E731
@@ -129,7 +131,7 @@ def rewrite(gm, plan: Plan):
             extra += tables
         if any(x is not None for x in extra):  # graphs without rab / intervals keep the 12-argument call
             args += extra
-        y = emit_call(graph, torch.ops.hstu.attention.default, args)
+        y = emit_call(graph, torch.ops.hstu.attention.default, args, added)
         replace_output(graph, plan, y, dtype)
 
 
@@ -220,8 +222,6 @@ def describe_scale(plan) -> str:
 
 
 def describe(plan: Plan) -> str:
-    causal, w, c, f = (int(sympy.sympify(x).subs(plan.constants)) if isinstance(x, sympy.Expr) else x
-                       for x in plan.params)
     parts = [f"N={plan.N}" + ("" if isinstance(plan.N, int) else " (symbolic)"), f"alpha={plan.alpha:g}", f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
     parts.append(describe_scale(plan))
     if plan.num_targets is not None:
@@ -230,14 +230,11 @@ def describe(plan: Plan) -> str:
         parts.append(f"offsets from lengths {plan.offsets.name}")
     if plan.dense:
         parts.append("dense output, no unpad in this graph")
-    if not causal:
-        parts.append("causal=False")
-    if w:
-        parts.append(f"max_attn_len={w}")
-    if c:
-        parts.append(f"contextual_seq_len={c}")
-    if f:
-        parts.append(f"min_full_attn_seq_len={f}")
+    for field in dataclasses.fields(plan.params):  # the mask options that are not their defaults
+        x = getattr(plan.params, field.name)
+        x = int(sympy.sympify(x).subs(plan.constants)) if isinstance(x, sympy.Expr) else x
+        if x != field.default:
+            parts.append(f"{field.name}={x}")
     parts += [x for x in (attn_bias.describe(plan), attn_tables.describe(plan), attn_intervals.describe(plan)) if x]
     if plan.rab is not None and plan.rab.table_reasons:
         parts.append("stays dense: " + "; ".join(plan.rab.table_reasons))

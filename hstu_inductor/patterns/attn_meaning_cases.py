@@ -14,6 +14,7 @@ import math
 import sympy
 import torch
 
+from ..spec import AttentionSpec
 from .attn_find import meta_val
 from .attn_meaning_chain import Chain, _chain_inputs
 from .attn_meaning_float import _classify, _concrete, _evaluate, _fit_beta, _Sample, _zero_scores
@@ -141,7 +142,7 @@ def prove_chain(gm, plan, sub, ch=None):
             and any(k == "hstu" for k, _ in r["cls"])]
     mask = sympy.Or(*kept) if kept else sympy.false
     if plan.intervals is not None:
-        plan.params = (True, 0, 0, 0)
+        plan.params = AttentionSpec()
         _prove_intervals(ch, mask, in_seq)
     else:
         plan.params = _fit_mask(ch, mask, ints, in_seq)

@@ -17,6 +17,7 @@ from .attn_meaning_domain import _short
 from .core import decide
 from .core.domain import off, tgt
 from .core.semantics import interval_valid
+from ..spec import AttentionSpec
 from .prover import Decline, mask_candidates, valid_at, valid_at_many
 
 
@@ -40,7 +41,7 @@ def _fit_mask(ch: Chain, mask, ints, in_seq):
         if params not in survivors and not seen.rejects(params) and eq.check(ch.valid(params)):
             return params
     # no parameter set: say where the first plausible reading differs
-    params = survivors[0] if survivors else (True, 0, 0, 0)
+    params = survivors[0] if survivors else AttentionSpec()
     ok, cex = decide.valid(ch.dom, sympy.Equivalent(mask, ch.valid(params)), in_seq)
     where = f" (e.g. at {_short(cex)})" if isinstance(cex, dict) else ""
     causal_like, _ = decide.valid(ch.dom, sympy.Implies(mask, sympy.Le(ch.j, ch.i)), in_seq)
@@ -69,8 +70,7 @@ class _CounterexampleFilter:
         if self.cols is None:
             return False
         same, i, j, n, t, want = self.cols
-        causal, w, c, f = params
-        got = same.bool() & valid_at(torch.arange(len(i)), i, j, n, t, w, c, f, causal)
+        got = same.bool() & valid_at(torch.arange(len(i)), i, j, n, t, params)
         return not torch.equal(got, want.bool())
 
 

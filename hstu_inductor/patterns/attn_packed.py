@@ -51,7 +51,6 @@ def prove_packed(gm, S, pv) -> Plan:
         raise Decline("packed-rows attention: the scale changes with the number of rows (not a constant)")
     scale = consts[0][1] * plan.v.factor * sub.fo
     plan.scale = float(scale)  # explicit: the op's default 1/max_seq_len would be 1/L here
-    plan.params = tuple(plan.params)
     return plan
 
 

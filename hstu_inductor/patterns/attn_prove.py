@@ -29,6 +29,7 @@ import random
 
 import torch
 
+from ..spec import AttentionSpec
 from . import attn_bias, attn_intervals, attn_tables, constants
 from . import attn_layout as lay
 from .attn_find import (
@@ -378,7 +379,7 @@ def _probe_all(gm, plan: Plan, sub: Subgraphs) -> None:
                 raise Decline(f"mask read from the interval tensor {plan.intervals.node.name} is not "
                               f"[0, x0) | [x1, x2) per row (probe {p})")
             alpha, c0 = fit_alpha(X, S_at, s_at, (X != 0) & in_seq, alphas)
-            chosen = alpha, c0, [(0, (True, 0, 0, 0))]
+            chosen = alpha, c0, [(0, AttentionSpec())]
         if chosen is None:  # every parameter set that fits probe 0; the later probes tell them apart
             alpha, c0, fits = _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, Np, alphas, mask_ints,
                                    plan.num_targets is not None)
@@ -491,8 +492,7 @@ def _fit(X, S_at, s_at, in_seq, bb, ii, jj, lens, targets, N, alphas, mask_ints,
     o_s = obs.reshape(-1)[flat_idx]
     fits = []
     for cand in mask_candidates(mask_ints, N, has_targets):
-        causal, w, c, f = cand
-        if torch.equal(valid_at(b_s, i_s, j_s, lens, targets, w, c, f, causal), o_s):
+        if torch.equal(valid_at(b_s, i_s, j_s, lens, targets, cand), o_s):
             full = reference_mask(lens, N, targets, cand)[bb, ii, jj].expand(X.shape)
             if torch.equal(full & in_seq, obs):
                 fits.append(cand)

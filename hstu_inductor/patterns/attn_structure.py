@@ -22,6 +22,7 @@ import sympy
 import torch
 
 from .. import _compat, config
+from ..spec import AttentionSpec
 from . import attn_layout as lay
 from .attn_find import (
     BMM, SOFTMAX, Operand, feature_slice, find_operand, is_float, jagged_descriptor, meta_val, op_name, size_hint,
@@ -61,7 +62,7 @@ class Plan:
     scale: Optional[float] = None           # constant scale (None: 1/N)
     scale_node: Optional[torch.fx.Node] = None  # attn_scale input (times scale_factor)
     scale_factor: float = 1.0
-    params: tuple = (True, 0, 0, 0)      # (causal, max_attn_len, contextual, min_full)
+    params: AttentionSpec = AttentionSpec()  # the mask options proven
     constants: dict = dataclasses.field(default_factory=dict)  # mask constant symbol -> real value
     pads_proven: bool = False    # the numeric proof got past the pads (attn_prove.past_pads)
     head_modes: list = None      # q-feature modes forming the head index (S batch order)

@@ -16,6 +16,7 @@ semantics (pad, score function, unpad); ``attn_prove`` checks each piece with th
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -28,6 +29,8 @@ import torch
 from .. import _compat
 from . import constants
 from ..reference import hstu_mask, jagged_to_padded
+from ..reference.mask import hstu_valid
+from ..spec import AttentionSpec
 
 aten = torch.ops.aten
 
@@ -307,70 +310,45 @@ def scalar_scale(scale_probe):
 # Mask semantics
 
 
-def valid_at(b, i, j, lengths, targets, w, c, f, causal):
-    """``valid(i, j)`` of HSTU_SEMANTICS.md at index tensors ``b, i, j`` (vectorised; used to
+def valid_at(b, i, j, lengths, targets, spec: AttentionSpec):
+    """``valid(i, j)`` (``reference.hstu_valid``) at index tensors ``b, i, j`` (vectorised; used to
     filter candidate parameters cheaply before the full check against ``reference.hstu_mask``)."""
     n = lengths[b]
-    in_seq = (i < n) & (j < n)
-    if not causal:
-        return in_seq
-    if c > 0:
-        pi_i, pi_j, end = (i - c + 1).clamp(min=0), (j - c + 1).clamp(min=0), n - c + 1
-    else:
-        pi_i, pi_j, end = i, j, n
-    if targets is not None:
-        end = end - targets[b]
-        pi_i, pi_j = torch.minimum(pi_i, end), torch.minimum(pi_j, end)
-    d = pi_i - pi_j
-    valid = (i == j) | (d > 0)
-    if w > 0:
-        win = d <= w
-        if f > 0:
-            win = win | (pi_i >= end - f)
-        valid = valid & win
-    if c > 0:
-        valid = valid | ((pi_i == 0) & (pi_j < end))
-    return valid & in_seq
+    t = None if targets is None else targets[b]
+    return hstu_valid(i, j, n, t, spec) & (i < n) & (j < n)
 
 
 def valid_at_many(b, i, j, lengths, targets, cands) -> torch.Tensor:
-    """:func:`valid_at` of every candidate ``(causal, w, c, f)`` at once: ``[len(cands), len(i)]`` booleans
-    (the sample filter tries thousands of candidates; one candidate at a time is mostly Python overhead)."""
-    causal, w, c, f = (torch.tensor(col, dtype=i.dtype)[:, None] for col in zip(*cands))
+    """:func:`valid_at` of every candidate spec at once: ``[len(cands), len(i)]`` booleans (the sample filter
+    tries thousands of candidates; one candidate at a time is mostly Python overhead). Each option becomes a
+    ``[len(cands), 1]`` column."""
+    cols = {}
+    for field in dataclasses.fields(AttentionSpec):
+        col = torch.tensor([getattr(s, field.name) for s in cands])[:, None]
+        cols[field.name] = col if col.dtype == torch.bool else col.to(i.dtype)
     n = lengths[b]
-    in_seq = (i < n) & (j < n)
-    cpos = c > 0
-    pi_i = torch.where(cpos, (i - c + 1).clamp(min=0), i)
-    pi_j = torch.where(cpos, (j - c + 1).clamp(min=0), j)
-    end = torch.where(cpos, n - c + 1, n)
-    if targets is not None:
-        end = end - targets[b]
-        pi_i, pi_j = torch.minimum(pi_i, end), torch.minimum(pi_j, end)
-    d = pi_i - pi_j
-    valid = (i == j) | (d > 0)
-    win = (d <= w) | ((f > 0) & (pi_i >= end - f))
-    valid = torch.where(w > 0, valid & win, valid)
-    valid = torch.where(cpos, valid | ((pi_i == 0) & (pi_j < end)), valid)
-    return torch.where(causal.bool(), valid, True) & in_seq
+    t = None if targets is None else targets[b]
+    return hstu_valid(i, j, n, t, AttentionSpec(**cols)) & (i < n) & (j < n)
 
 
 def mask_candidates(ints: set, N: int, has_targets: bool) -> list:
-    """Candidate ``(causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len)`` tuples:
-    0 and the integer constants of the mask subgraph (and their neighbours, for ``<`` vs ``<=``)."""
+    """Candidate mask options (:class:`AttentionSpec`), in the order they are tried: plain causal first, then
+    every combination of 0 and the integer constants of the mask subgraph (and their neighbours, for ``<``
+    vs ``<=``) as window, contextual prefix and full-attention tail. The prover's rule for mask options:
+    each option's candidate values are listed here."""
     near = sorted({v for k in ints for v in (k - 1, k, k + 1) if 1 <= v <= N})
-    out = [(True, 0, 0, 0)]
+    out = [AttentionSpec()]
     if not has_targets:
-        out.append((False, 0, 0, 0))
+        out.append(AttentionSpec(causal=False))
     for w, c in itertools.product([0] + near, [0] + near):
         for f in ([0] + near if w > 0 else [0]):
             if (w, c, f) != (0, 0, 0):
-                out.append((True, w, c, f))
+                out.append(AttentionSpec(True, w, c, f))
     return out
 
 
-def reference_mask(lengths: torch.Tensor, N: int, targets, params) -> torch.Tensor:
-    causal, w, c, f = params
-    return hstu_mask(lengths, N, targets, w, c, f, causal)
+def reference_mask(lengths: torch.Tensor, N: int, targets, spec: AttentionSpec) -> torch.Tensor:
+    return hstu_mask(lengths, N, targets, spec=spec)
 
 
 def reference_pad(values: torch.Tensor, offsets: torch.Tensor, N: int) -> torch.Tensor:

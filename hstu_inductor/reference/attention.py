@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .jagged import (_is_concrete, gather_padded, jagged_to_padded, lengths_from_offsets, padded_rows, padded_to_jagged,
+from .jagged import (_is_concrete, gather_padded, lengths_from_offsets, padded_rows, padded_to_jagged,
                      require, row_to_sequence, validate_jagged)
+from ..spec import AttentionSpec
 from .mask import hstu_mask, interval_mask
 
 __all__ = ["hstu_mha", "hstu_mha_backward", "delta_hstu_mha", "validate_attention_inputs", "validate_rab_intervals",
@@ -45,16 +46,8 @@ def validate_attention_inputs(
     devices = {t.device for t in (q, k, v, seq_offsets)}
     require(len(devices) == 1, lambda: f"q, k, v and seq_offsets must be on one device, got {devices}")
     require(max_seq_len >= 1, lambda: f"max_seq_len must be >= 1, got {max_seq_len}")
-    for name, val in (
-        ("max_attn_len", max_attn_len),
-        ("contextual_seq_len", contextual_seq_len),
-        ("min_full_attn_seq_len", min_full_attn_seq_len),
-    ):
-        require(val >= 0, lambda: f"{name} must be >= 0, got {val}")
-    require(causal or (num_targets is None and max_attn_len == 0 and contextual_seq_len == 0
-                       and min_full_attn_seq_len == 0),
-            lambda: "causal=False means full attention inside each sequence; num_targets, max_attn_len, "
-                    "contextual_seq_len and min_full_attn_seq_len must then be unset/0")
+    AttentionSpec(causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len).validate(
+        has_targets=num_targets is not None)
     if num_query_rows is None:
         require(q.shape[0] == k.shape[0], lambda: "q and k must have the same number of rows L")
     if attn_scale is not None:
@@ -96,9 +89,8 @@ def validate_rab_intervals(
         require(intervals.dtype in (torch.int32, torch.int64),
                 lambda: f"intervals must be int32 or int64, got {intervals.dtype}")
         require(intervals.device == q.device, lambda: f"intervals is on {intervals.device}, q on {q.device}")
-        require(num_targets is None and max_attn_len == 0 and contextual_seq_len == 0 and min_full_attn_seq_len == 0,
-                lambda: "intervals replace the causal/targets/window/contextual mask: num_targets, max_attn_len, "
-                        "contextual_seq_len and min_full_attn_seq_len must then be unset/0")
+        AttentionSpec(True, max_attn_len, contextual_seq_len, min_full_attn_seq_len).validate(
+            has_targets=num_targets is not None, has_intervals=True)
 
 
 def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Tensor | None,
@@ -143,11 +135,11 @@ def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Ten
         require(ts_bounds.device == q.device, lambda: f"ts_bounds is on {ts_bounds.device}, q on {q.device}")
 
 
-def _valid(seq_offsets, N, num_targets, w, c, f, causal, intervals):
+def _valid(seq_offsets, N, num_targets, spec, intervals):
     """``[B, H|1, N, N]`` bool: the interval mask when given (it replaces the others), else the HSTU mask."""
     if intervals is not None:
         return interval_mask(intervals, seq_offsets, N)
-    return hstu_mask(lengths_from_offsets(seq_offsets), N, num_targets, w, c, f, causal).unsqueeze(1)
+    return hstu_mask(lengths_from_offsets(seq_offsets), N, num_targets, spec=spec).unsqueeze(1)
 
 
 def _row_scale(attn_scale, seq_offsets, max_seq_len, rows_padded_fn):
@@ -206,14 +198,22 @@ def hstu_mha(
     min_full_attn_seq_len: int = 0,
     rab: torch.Tensor | None = None,
     intervals: torch.Tensor | None = None,
+    *,
+    spec: AttentionSpec | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention: ``q, k: [L, H, Dq]``, ``v: [L, H, Dv]`` -> ``[L, H, Dv]``.
 
     ``out_i = sum_j valid(i, j) * silu(alpha <q_i, k_j> + rab(i, j)) * s_i * v_j`` per head, with
     ``s_i = 1/N`` or ``attn_scale`` (scalar or per-row ``[L]``). No softmax. ``rab``: dense
     ``[B|1, H|1, N, N]`` on padded positions (its gradient is summed over broadcast dims by autograd);
-    ``intervals: [H|1, L, 3]`` replaces ``valid`` (:func:`~.mask.interval_mask`). docs/semantics.md.
+    ``intervals: [H|1, L, 3]`` replaces ``valid`` (:func:`~.mask.interval_mask`). ``spec``: all mask options
+    at once (an :class:`~hstu_inductor.spec.AttentionSpec`), in place of the loose ones. docs/semantics.md.
     """
+    if spec is not None:
+        causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len = (
+            spec.causal, spec.max_attn_len, spec.contextual_seq_len, spec.min_full_attn_seq_len)
+    else:
+        spec = AttentionSpec(causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     validate_attention_inputs(
         q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale,
         max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal=causal,
@@ -223,8 +223,7 @@ def hstu_mha(
     N, L = max_seq_len, q.shape[0]
     rows = padded_rows(seq_offsets, N, L)
     pad = lambda t: gather_padded(t, rows)  # noqa: E731
-    valid = _valid(seq_offsets, N, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal,
-                   intervals)
+    valid = _valid(seq_offsets, N, num_targets, spec, intervals)
     scale = _row_scale(attn_scale, seq_offsets, N, pad)
     p = _scores(pad(q), pad(k), alpha, scale, valid, dropout_pr, training, rab)
     out = _mix(p, pad(v))
@@ -249,6 +248,8 @@ def hstu_mha_backward(
     rab: torch.Tensor | None = None,
     intervals: torch.Tensor | None = None,
     need_rab_grad: bool = False,
+    *,
+    spec: AttentionSpec | None = None,
 ):
     """Closed-form gradients of :func:`hstu_mha` (no dropout): ``(dq, dk, dv, d_attn_scale)``, and
     ``d_rab`` appended when ``need_rab_grad``.
@@ -258,13 +259,13 @@ def hstu_mha_backward(
     ``d_rab = dA`` summed over rab's broadcast dims, and ``ds_i = sum_{h,j} dP * valid * silu(A)``
     (summed over all rows for a scalar ``s``). ``d_attn_scale`` is None unless ``need_scale_grad``.
     """
+    spec = spec or AttentionSpec(causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     N, L = max_seq_len, q.shape[0]
     rows = padded_rows(seq_offsets, N, L)
     seq, pos = row_to_sequence(seq_offsets, L)
     pad = lambda t: gather_padded(t, rows)  # noqa: E731
     unpad = lambda t: t[seq, pos]  # noqa: E731  (padded_to_jagged, sharing the row map)
-    valid = _valid(seq_offsets, N, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal,
-                   intervals).to(q.dtype)  # [B, H|1, N, N]
+    valid = _valid(seq_offsets, N, num_targets, spec, intervals).to(q.dtype)  # [B, H|1, N, N]
     scale = _row_scale(attn_scale, seq_offsets, N, pad)
     qp, kp, vp, gp = pad(q), pad(k), pad(v), pad(grad)
     a = alpha * _pairs(qp, kp)

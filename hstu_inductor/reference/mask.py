@@ -1,11 +1,13 @@
 """The HSTU attention mask, spelled out on ids exactly as in HSTU_SEMANTICS.md."""
 from __future__ import annotations
 
+import sympy
 import torch
 
+from ..spec import AttentionSpec
 from .jagged import gather_padded, lengths_from_offsets, padded_rows, row_to_sequence
 
-__all__ = ["position_ids", "hstu_mask", "interval_mask", "sla_intervals"]
+__all__ = ["position_ids", "hstu_valid", "hstu_mask", "interval_mask", "sla_intervals", "TORCH", "SYMPY"]
 
 
 def position_ids(
@@ -33,6 +35,67 @@ def position_ids(
     return ids, end
 
 
+class _TorchOps:
+    """Tensor spelling of the operations :func:`hstu_valid` uses."""
+    maximum = staticmethod(lambda a, b: a.clamp(min=b) if isinstance(b, int) else torch.maximum(a, b))
+    minimum = staticmethod(torch.minimum)
+    eq = staticmethod(lambda a, b: a == b)
+    where = staticmethod(torch.where)
+    true = True
+
+
+class _SympyOps:
+    """Symbolic spelling (the prover's): mask options are concrete there, so ``where`` is never needed."""
+    maximum = staticmethod(sympy.Max)
+    minimum = staticmethod(sympy.Min)
+    eq = staticmethod(sympy.Eq)
+    where = None
+    true = sympy.true
+
+
+TORCH, SYMPY = _TorchOps, _SympyOps
+
+
+def _sel(cond, then, other, ops):
+    """``then if cond else other``; element-wise when the option is a tensor (one candidate per row)."""
+    if isinstance(cond, bool):
+        return then if cond else other
+    return ops.where(cond, then, other)
+
+
+def hstu_valid(i, j, n, t, spec: AttentionSpec, ops=TORCH):
+    """``valid(i, j)`` of HSTU_SEMANTICS.md for raw positions ``i`` (query) and ``j`` (key) of one sequence of
+    length ``n`` with ``t`` targets (None: no targets); ``0 <= i, j < n`` is the caller's (see :func:`hstu_mask`).
+
+    The one definition of the mask in Python: the reference (:func:`hstu_mask`, tensors), the prover's
+    numeric filters (index tensors; options may be ``[K, 1]`` tensors, one candidate per row) and its symbolic
+    meaning (``ops=SYMPY``, sympy symbols) all evaluate it. A new mask option is defined here once."""
+    causal, w, c, f = spec.causal, spec.max_attn_len, spec.contextual_seq_len, spec.min_full_attn_seq_len
+    if causal is False:
+        return ops.true
+    has_c = c > 0
+    pi_i = _sel(has_c, ops.maximum(i - c + 1, 0), i, ops)
+    pi_j = _sel(has_c, ops.maximum(j - c + 1, 0), j, ops)
+    end = _sel(has_c, n - c + 1, n, ops)
+    if t is not None:
+        end = end - t
+        pi_i, pi_j = ops.minimum(pi_i, end), ops.minimum(pi_j, end)
+    d = pi_i - pi_j
+    valid = ops.eq(i, j) | (d > 0)
+    has_w = w > 0
+    if has_w is not False:
+        win = d <= w
+        has_f = f > 0
+        if has_f is not False:
+            win = win | _sel(has_f, pi_i >= end - f, False, ops)
+        valid = _sel(has_w, valid & win, valid, ops)
+    if has_c is not False:
+        valid = _sel(has_c, valid | (ops.eq(pi_i, 0) & (pi_j < end)), valid, ops)
+    if causal is True:
+        return valid
+    return _sel(causal, valid, True, ops)
+
+
 def hstu_mask(
     lengths: torch.Tensor,
     max_seq_len: int,
@@ -42,39 +105,25 @@ def hstu_mask(
     min_full_attn_seq_len: int = 0,
     causal: bool = True,
     query_positions: torch.Tensor | None = None,
+    *,
+    spec: AttentionSpec | None = None,
 ) -> torch.Tensor:
     """Boolean ``valid(i, j)`` of shape ``[B, Q, N]`` (``Q = N`` unless ``query_positions`` given).
 
     ``query_positions: [B, Q]`` selects which raw query rows to build (delta attention).
     Pairs involving positions ``>= n_b`` are False. ``causal=False`` makes every in-sequence
-    pair valid.
+    pair valid. ``spec``: all mask options at once, in place of the loose ones.
     """
+    spec = spec or AttentionSpec(causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     lengths = lengths.to(torch.int64)
     dev = lengths.device
     N = max_seq_len
-    j = torch.arange(N, device=dev, dtype=torch.int64).unsqueeze(0)  # [1, N]
-    i = j if query_positions is None else query_positions.to(torch.int64)  # [1|B, Q]
-    in_seq = (i.unsqueeze(-1) < lengths.view(-1, 1, 1)) & (j.unsqueeze(1) < lengths.view(-1, 1, 1))
-    in_seq = in_seq & (i.unsqueeze(-1) >= 0)
-    if not causal:
-        return in_seq
-
-    w, c, f = max_attn_len, contextual_seq_len, min_full_attn_seq_len
-    pi_i, end = position_ids(i, lengths, num_targets, c)  # [B, Q], [B, 1]
-    pi_j, _ = position_ids(j, lengths, num_targets, c)  # [B, N]
-    pi_i, pi_j, end = pi_i.unsqueeze(-1), pi_j.unsqueeze(1), end.unsqueeze(-1)
-    d = pi_i - pi_j
-    same = i.unsqueeze(-1) == j.unsqueeze(1)
-
-    valid = same | (d > 0)
-    if w > 0:
-        in_window = d <= w
-        if f > 0:
-            in_window = in_window | (pi_i >= end - f)
-        valid = valid & in_window
-    if c > 0:
-        valid = valid | ((pi_i == 0) & (pi_j < end))
-    return valid & in_seq
+    j = torch.arange(N, device=dev, dtype=torch.int64).view(1, 1, N)
+    i = j.view(1, N, 1) if query_positions is None else query_positions.to(torch.int64).unsqueeze(-1)  # [1|B, Q, 1]
+    n = lengths.view(-1, 1, 1)
+    in_seq = (i < n) & (j < n) & (i >= 0)
+    t = None if num_targets is None else num_targets.to(torch.int64).view(-1, 1, 1)
+    return hstu_valid(i, j, n, t, spec) & in_seq
 
 
 def interval_mask(intervals: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:

@@ -41,9 +41,9 @@ def test_valid_at_matches_reference_mask():
     lengths = torch.randint(0, N + 1, (6,), generator=g)
     targets = (torch.rand(6, generator=g) * (lengths + 1)).long().clamp(max=lengths)
     b, i, j = torch.meshgrid(torch.arange(6), torch.arange(N), torch.arange(N), indexing="ij")
-    for causal, w, c, f in mask_candidates({2, 3}, N, True)[:60]:
-        ref = hstu_mask(lengths, N, targets, w, c, f, causal)
-        assert torch.equal(valid_at(b, i, j, lengths, targets, w, c, f, causal), ref), (w, c, f)
+    for spec in mask_candidates({2, 3}, N, True)[:60]:
+        ref = hstu_mask(lengths, N, targets, spec=spec)
+        assert torch.equal(valid_at(b, i, j, lengths, targets, spec), ref), spec
 
 
 def test_probes_cover_edges():

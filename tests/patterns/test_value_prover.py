@@ -362,8 +362,8 @@ def test_valid_at_many_equals_valid_at():
         cands = mask_candidates({3, 7, 20}, 40, targets is not None)
         many = valid_at_many(b, ii, jj, nn, targets, cands)
         assert many.shape == (len(cands), M) and 0 < int(many.sum()) < many.numel()
-        for k, (causal, w, c, f) in enumerate(cands):
-            assert torch.equal(many[k], valid_at(b, ii, jj, nn, targets, w, c, f, causal)), (causal, w, c, f)
+        for k, spec in enumerate(cands):
+            assert torch.equal(many[k], valid_at(b, ii, jj, nn, targets, spec)), spec
 
 
 @pytest.mark.parametrize("choice", ["hstu", "inductor"])

@@ -1,7 +1,7 @@
 """HSTU's mask as a sympy predicate (HSTU_SEMANTICS.md), and case splitting of element values.
 
 :func:`hstu_valid` is ``valid(i, j)`` of the semantics for one sequence of length ``n`` with
-``t`` targets, written with the same ids as ``reference.hstu_mask``; the prover compares a user's
+``t`` targets, the reference's own definition evaluated on sympy expressions; the prover compares a user's
 mask with it by :func:`~.decide.valid` (for every ``i, j < n <= N``, ``0 <= t <= n``).
 :func:`cases` splits an element value into ``(condition, value)`` pieces without conditionals, so
 that the float part of a score chain can be evaluated once per piece.
@@ -10,32 +10,17 @@ from __future__ import annotations
 
 import sympy
 
+from ...reference import mask
+from ...spec import AttentionSpec
 from .values import is_bool
 
 
 def hstu_valid(i, j, n, t, params):
     """``valid(i, j)`` for ``params = (causal, max_attn_len, contextual_seq_len, min_full_attn_seq_len)``
-    (``t`` is None without targets); ``i, j < n`` is assumed by the caller."""
-    causal, w, c, f = params
-    if not causal:
-        return sympy.true
-    if c > 0:
-        pi_i, pi_j, end = sympy.Max(i - c + 1, 0), sympy.Max(j - c + 1, 0), n - c + 1
-    else:
-        pi_i, pi_j, end = i, j, n
-    if t is not None:
-        end = end - t
-        pi_i, pi_j = sympy.Min(pi_i, end), sympy.Min(pi_j, end)
-    d = pi_i - pi_j
-    valid = sympy.Or(sympy.Eq(i, j), d > 0)
-    if w > 0:
-        win = d <= w
-        if f > 0:
-            win = sympy.Or(win, pi_i >= end - f)
-        valid = sympy.And(valid, win)
-    if c > 0:
-        valid = sympy.Or(valid, sympy.And(sympy.Eq(pi_i, 0), pi_j < end))
-    return valid
+    (``t`` is None without targets); ``i, j < n`` is assumed by the caller. The reference's definition
+    (``reference.mask.hstu_valid``), evaluated on sympy expressions."""
+    spec = params if isinstance(params, AttentionSpec) else AttentionSpec(*params)
+    return mask.hstu_valid(i, j, n, t, spec, mask.SYMPY)
 
 
 def interval_valid(j, x0, x1, x2):

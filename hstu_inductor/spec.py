@@ -1,0 +1,149 @@
+"""``AttentionSpec``: the scalar options of one HSTU attention call, as one frozen value.
+
+The mask (``causal``, the window ``max_attn_len``, the contextual prefix ``contextual_seq_len``, the
+full-attention tail ``min_full_attn_seq_len``) and the option of the table bias (``ts_next``) travel together
+from the pattern's proof to the kernels. This class is the one place that
+
+* validates them (one message per rule, for eager calls and under tracing alike: :meth:`validate`);
+* flattens them at the ``torch.library`` schema boundary (:meth:`op_args` / :meth:`from_op_args`: the op
+  schemas keep plain ints and bools, which export, AOTI and opcheck handle);
+* derives the kernels' compile-time switches and run-time lengths (:meth:`kernel_flags`,
+  :meth:`kernel_lengths`);
+* says which kernel variants can serve it (:attr:`plain_causal`, read by ``ops/variants.py``).
+
+Tensors (``num_targets``, ``attn_scale``, the bias inputs) stay op arguments: their presence is passed to
+the methods that depend on it. Semantics of every option: docs/semantics.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Union
+
+import torch
+
+__all__ = ["AttentionSpec"]
+
+IntLike = Union[int, torch.SymInt]
+
+# the Python type torch.library's schema inference reads for each field annotation (int -> SymInt)
+_SCHEMA_TYPES = {"bool": bool, "IntLike": int, "int": int, "float": float}
+
+
+def _schema_type(annotation):
+    if isinstance(annotation, str):  # this module's annotations are strings (postponed evaluation)
+        return _SCHEMA_TYPES[annotation]
+    return int if annotation is IntLike else annotation
+
+_MASK_RESET = ("num_targets, max_attn_len, contextual_seq_len and min_full_attn_seq_len must then be unset/0")
+
+
+def _require(cond, msg) -> None:
+    """``torch._check`` raising ValueError: a clear message on eager calls, a guard or runtime assert on
+    symbolic values while tracing (under Dynamo without the message: its closure may only hold constants)."""
+    if torch.compiler.is_compiling():
+        torch._check(cond)
+    else:
+        torch._check_with(ValueError, cond, msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Scalar options of one jagged HSTU attention call (docs/semantics.md)."""
+
+    causal: bool = True
+    max_attn_len: IntLike = 0
+    contextual_seq_len: IntLike = 0
+    min_full_attn_seq_len: IntLike = 0
+    # the time gap of the table bias: ts(next(i)) - ts(j) (the original HSTU) when True, ts(i) - ts(j) else
+    ts_next: bool = True
+
+    # The mask options in the order of the ops' positional schema (after ``attn_scale``; ``ts_next`` is the
+    # forward's last argument). That layout is public: exported programs and callers pass them by position.
+    OP_FIELDS = ("max_attn_len", "contextual_seq_len", "min_full_attn_seq_len", "causal")
+    POSITIONAL = OP_FIELDS + ("ts_next",)
+
+    @classmethod
+    def from_op_args(cls, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal, ts_next: bool = True,
+                     **added) -> "AttentionSpec":
+        return cls(causal=bool(causal), max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
+                   min_full_attn_seq_len=min_full_attn_seq_len, ts_next=bool(ts_next), **added)
+
+    def op_args(self) -> tuple:
+        """The mask options in schema order (:attr:`OP_FIELDS`)."""
+        return tuple(getattr(self, name) for name in self.OP_FIELDS)
+
+    # ------------------------------------------------------------------ options added later
+
+    @classmethod
+    def added_fields(cls) -> list:
+        """Fields beyond the positional layout: keyword-only arguments at the end of every attention op."""
+        return [f for f in dataclasses.fields(cls) if f.name not in cls.POSITIONAL]
+
+    def added_op_kwargs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in self.added_fields()}
+
+    @classmethod
+    def op_params(cls, fn):
+        """Decorator for an op body taking ``**added``: its signature (from which ``torch.library`` infers the
+        schema) gains one keyword-only parameter per added field, so that a new option reaches every attention
+        op, its autograd formula and the kernels without editing them."""
+        sig = inspect.signature(fn)
+        params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                     annotation=_schema_type(f.type)) for f in cls.added_fields()]
+        fn.__signature__ = sig.replace(parameters=params)
+        return fn
+
+    def reference_kwargs(self) -> dict:
+        """Keywords of ``reference.hstu_mha`` / ``hstu_mha_backward`` for this mask."""
+        return {"causal": self.causal, "max_attn_len": self.max_attn_len,
+                "contextual_seq_len": self.contextual_seq_len, "min_full_attn_seq_len": self.min_full_attn_seq_len}
+
+    # ------------------------------------------------------------------ validation
+
+    @property
+    def has_mask_options(self) -> bool:
+        """Any of window, contextual prefix, full-attention tail set (possibly symbolic: then True)."""
+        return any(not (isinstance(x, int) and x == 0)
+                   for x in (self.max_attn_len, self.contextual_seq_len, self.min_full_attn_seq_len))
+
+    def validate(self, *, has_targets: bool = False, has_intervals: bool = False) -> None:
+        """Raise ValueError for options that mean nothing together."""
+        for name in ("max_attn_len", "contextual_seq_len", "min_full_attn_seq_len"):
+            val = getattr(self, name)
+            _require(val >= 0, lambda: f"{name} must be >= 0, got {val}")
+        unset = not has_targets and self.max_attn_len == 0 and self.contextual_seq_len == 0 \
+            and self.min_full_attn_seq_len == 0
+        _require(self.causal or unset,
+                 lambda: f"causal=False means full attention inside each sequence; {_MASK_RESET}")
+        if has_intervals:
+            _require(unset, lambda: f"intervals replace the causal/targets/window/contextual mask: {_MASK_RESET}")
+
+    # ------------------------------------------------------------------ kernels
+
+    def kernel_flags(self, *, has_targets: bool, has_intervals: bool = False) -> dict:
+        """The attention kernels' constexpr mask switches (validated first)."""
+        self.validate(has_targets=has_targets, has_intervals=has_intervals)
+        if has_intervals:
+            # the interval mask alone decides; CAUSAL=False keeps the id helpers trivial
+            return dict(CAUSAL=False, HAS_TGT=False, HAS_CTX=False, HAS_WINDOW=False, HAS_MINFULL=False, HAS_IV=True)
+        causal = self.causal
+        has_window = causal and self.max_attn_len > 0
+        return dict(CAUSAL=causal, HAS_TGT=causal and has_targets, HAS_CTX=causal and self.contextual_seq_len > 0,
+                    HAS_WINDOW=has_window, HAS_MINFULL=has_window and self.min_full_attn_seq_len > 0)
+
+    def kernel_lengths(self) -> tuple:
+        """``(CTX, WINDOW, MINFULL)``: the kernels' run-time mask lengths."""
+        return int(self.contextual_seq_len), int(self.max_attn_len), int(self.min_full_attn_seq_len)
+
+    # ------------------------------------------------------------------ variant scopes
+
+    @property
+    def plain_causal(self) -> bool:
+        """Causal, with no window, contextual prefix or full-attention tail (static zeros): the mask of the
+        warp-specialised kernels."""
+        if not self.causal:
+            return False
+        return all(isinstance(x, int) and x == 0
+                   for x in (self.max_attn_len, self.contextual_seq_len, self.min_full_attn_seq_len))
