@@ -22,7 +22,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["AttentionSpec"]
+__all__ = ["AttentionSpec", "KernelMask", "KERNEL_LENGTHS"]
 
 IntLike = Union[int, torch.SymInt]
 
@@ -36,6 +36,21 @@ def _schema_type(annotation):
     return int if annotation is IntLike else annotation
 
 _MASK_RESET = ("num_targets, max_attn_len, contextual_seq_len and min_full_attn_seq_len must then be unset/0")
+
+
+class KernelMask:
+    """Bits of the attention kernels' constexpr switch set ``MASK`` (:meth:`AttentionSpec.kernel_flags`; read only
+    by the helpers of ``kernels/attention_jit.py``)."""
+    CAUSAL = 1
+    TARGETS = 2
+    CONTEXT = 4
+    WINDOW = 8
+    MINFULL = 16
+
+
+# The kernels take four run-time mask lengths (ML0..ML3, :meth:`AttentionSpec.kernel_lengths`); ML3 is free for
+# the next option that needs one, so that adding it does not change the kernels' signatures.
+KERNEL_LENGTHS = 4
 
 
 def _require(cond, msg) -> None:
@@ -123,19 +138,31 @@ class AttentionSpec:
     # ------------------------------------------------------------------ kernels
 
     def kernel_flags(self, *, has_targets: bool, has_intervals: bool = False) -> dict:
-        """The attention kernels' constexpr mask switches (validated first)."""
+        """The attention kernels' constexpr mask switches (validated first): ``MASK``, a set of
+        :class:`KernelMask` bits, and ``HAS_IV`` with intervals."""
         self.validate(has_targets=has_targets, has_intervals=has_intervals)
-        if has_intervals:
-            # the interval mask alone decides; CAUSAL=False keeps the id helpers trivial
-            return dict(CAUSAL=False, HAS_TGT=False, HAS_CTX=False, HAS_WINDOW=False, HAS_MINFULL=False, HAS_IV=True)
-        causal = self.causal
-        has_window = causal and self.max_attn_len > 0
-        return dict(CAUSAL=causal, HAS_TGT=causal and has_targets, HAS_CTX=causal and self.contextual_seq_len > 0,
-                    HAS_WINDOW=has_window, HAS_MINFULL=has_window and self.min_full_attn_seq_len > 0)
+        if has_intervals:  # the interval mask alone decides; no HSTU switch keeps the id helpers trivial
+            return dict(MASK=0, HAS_IV=True)
+        return dict(MASK=self.kernel_mask(has_targets))
+
+    def kernel_mask(self, has_targets: bool) -> int:
+        if not self.causal:
+            return 0
+        bits = KernelMask.CAUSAL
+        if has_targets:
+            bits |= KernelMask.TARGETS
+        if self.contextual_seq_len > 0:
+            bits |= KernelMask.CONTEXT
+        if self.max_attn_len > 0:
+            bits |= KernelMask.WINDOW
+            if self.min_full_attn_seq_len > 0:
+                bits |= KernelMask.MINFULL
+        return bits
 
     def kernel_lengths(self) -> tuple:
-        """``(CTX, WINDOW, MINFULL)``: the kernels' run-time mask lengths."""
-        return int(self.contextual_seq_len), int(self.max_attn_len), int(self.min_full_attn_seq_len)
+        """``(ML0, ML1, ML2, ML3)``, the kernels' run-time mask lengths: contextual prefix, window, full-attention
+        tail, and 0 (free)."""
+        return int(self.contextual_seq_len), int(self.max_attn_len), int(self.min_full_attn_seq_len), 0
 
     # ------------------------------------------------------------------ variant scopes
 

@@ -61,7 +61,7 @@ def _signature(fn, values):
     return sig, consts
 
 
-CONSTEXPR = {"CAUSAL", "HAS_TGT", "HAS_CTX", "HAS_WINDOW", "HAS_MINFULL", "SCALE_MODE", "DELTA", "TMA", "FAST",
+CONSTEXPR = {"MASK", "CAUSAL", "HAS_TGT", "HAS_CTX", "HAS_WINDOW", "HAS_MINFULL", "SCALE_MODE", "DELTA", "TMA", "FAST",
              "PREC", "EVEN_DQ", "EVEN_DV", "BLOCK_DQ", "BLOCK_DV", "BLOCK_M", "BLOCK_N", "SEQ_MAJOR", "Q_IN_REGS",
              "DQ_MODE", "HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD", "TS_STEPS"}
 
@@ -76,6 +76,8 @@ def _values(kind, tma, dq_mode=0):
              alpha=0.1, scale_const=0.001, one=1.0, SEQ_OFFSETS=("i64",), NUM_TARGETS=("i64",), ATTN_SCALE=None,
              Q=ptr, K=ptr, V=ptr, O=ptr, DO=ptr, DK=ptr, DVo=ptr, DQo=ptr, DQA=("fp32",) if dq_mode else None,
              CAUSAL=True, HAS_TGT=True, HAS_CTX=False, HAS_WINDOW=False, HAS_MINFULL=False, SCALE_MODE=0,
+             # the mask as one switch set and four lengths (spec.KernelMask: causal | targets)
+             MASK=3, ML0=0, ML1=0, ML2=0, ML3=0,
              DELTA=False, TMA=tma, FAST=1, PREC="tf32", EVEN_DQ=True, EVEN_DV=True, BLOCK_DQ=128, BLOCK_DV=128,
              SEQ_MAJOR=True, DQ_MODE=dq_mode, HAS_RAB=False, HAS_IV=False, HAS_POS=False, HAS_TS=False,
              RAB_GRAD=False, TAB_GRAD=False,
@@ -113,9 +115,16 @@ FEATURES_SPLIT = {
 }
 
 
-def _ptx(mod, kind, tma, dq_mode=0, extra=None, kernel=False):
+# Every HSTU mask option at once (contextual prefix 3, window 100, full-attention tail 50, targets), in both
+# spellings of the kernels' mask arguments: separate switches and lengths, or spec.KernelMask bits and ML0..ML3.
+FULL_MASK = dict(HAS_CTX=True, HAS_WINDOW=True, HAS_MINFULL=True, CTX=3, WINDOW=100, MINFULL=50,
+                 MASK=31, ML0=3, ML1=100, ML2=50)
+
+
+def _ptx(mod, kind, tma, dq_mode=0, extra=None, kernel=False, mask=None):
     fn = {"fwd": mod._hstu_fwd_kernel, "dkdv": mod._hstu_bwd_dkdv_kernel, "dq": mod._hstu_bwd_dq_kernel}[kind]
     values, warps, stages = _values(kind, tma, dq_mode)
+    values.update(mask or {})
     values.update(extra or {})
     if kind != "dkdv":
         for name in ("DRAB", "RAB_GRAD", "DPOS", "DTS", "TAB_GRAD"):
@@ -176,6 +185,8 @@ def _code(ptx):
 
 VARIANTS = (("fwd", False, 0), ("fwd", True, 0), ("dq", False, 0), ("dq", True, 0),
             ("dkdv", False, 0), ("dkdv", True, 0), ("dkdv", False, 1))
+VARIANTS = tuple((*v, None) for v in VARIANTS) + tuple((*v, "full_mask") for v in VARIANTS if not v[1])
+MASKS = {None: None, "full_mask": FULL_MASK}
 
 
 def _dump(root, out):
@@ -184,7 +195,7 @@ def _dump(root, out):
     sys.path.insert(0, root)
     import hstu_inductor.kernels.attention as mod
     with open(out, "w") as f:
-        json.dump([_body(_ptx(mod, *v)) for v in VARIANTS], f)
+        json.dump([_body(_ptx(mod, kind, tma, dq_mode, mask=MASKS[m])) for kind, tma, dq_mode, m in VARIANTS], f)
 
 
 def _bodies(root):
@@ -209,10 +220,10 @@ def main():
         olds = _bodies(old_root)
     news = _bodies(ROOT)
     ok = True
-    for (kind, tma, dq_mode), a, b in zip(VARIANTS, olds, news):
+    for (kind, tma, dq_mode, m), a, b in zip(VARIANTS, olds, news):
         same = a == b
         ok &= same
-        print(f"{kind:5s} tma={tma!s:5s} dq_mode={dq_mode}: {'identical' if same else 'DIFFERENT'} "
+        print(f"{kind:5s} tma={tma!s:5s} dq_mode={dq_mode} {m or '':9s}: {'identical' if same else 'DIFFERENT'} "
               f"({len(b)} PTX lines)")
         if not same:
             sys.stdout.writelines(list(difflib.unified_diff(a, b, lineterm="\n", n=1))[:40])

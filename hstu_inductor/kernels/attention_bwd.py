@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_jit import (_bias_grad, _bias_operands, _bwd_query_range, _fwd_key_range, _id_end, _ids,
+from .attention_jit import (_CONTEXT, _bias_grad, _bias_operands, _bwd_query_range, _fwd_key_range, _id_end, _ids,
                             _iv_key_range, _iv_rows, _iv_valid, _load_rows, _pre_silu, _row_tile_mask, _rows,
                             _seq_bounds, _silu_and_grad, _silu_bwd_packed, _store_rows, _tile, _valid)
 
@@ -20,10 +20,9 @@ from .attention_jit import (_bias_grad, _bias_operands, _bwd_query_range, _fwd_k
 
 @triton.jit
 def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
-                   stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
+                   stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, ml, alpha, DQ, DV,
                    RB, GB, x0, x1, x2,
-                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
+                   MASKED: tl.constexpr, MASK: tl.constexpr, SCALE_MODE: tl.constexpr,
                    TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
                    EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -50,9 +49,8 @@ def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm,
         if HAS_IV:
             ok = _iv_valid(offs_m[None, :], offs_n[:, None], x0[None, :], x1[None, :], x2[None, :], n)
         else:
-            pi_m = _ids(offs_m, c, M, HAS_CTX, HAS_TGT)
-            ok = _valid(offs_m[None, :], offs_n[:, None], pi_m[None, :], pi_n[:, None], n, M, w, f, CAUSAL,
-                        HAS_CTX, HAS_WINDOW, HAS_MINFULL)
+            pi_m = _ids(offs_m, M, ml, MASK)
+            ok = _valid(offs_m[None, :], offs_n[:, None], pi_m[None, :], pi_n[:, None], n, M, ml, MASK)
         p16 = tl.where(ok, p16, 0.0)
         ds16 = tl.where(ok, ds16, 0.0)
     if RAB_GRAD != 0 or TAB_GRAD:
@@ -84,11 +82,9 @@ def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm,
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
-                    stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, c, w, f, alpha, DQ, DV,
+                    stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, ml, alpha, DQ, DV,
                     RB, GB, IV_h, stride_ir, stride_ic,
-                    n0, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
-                    HAS_TGT: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr,
+                    n0, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK: tl.constexpr, SCALE_MODE: tl.constexpr,
                     TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
                     EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -103,17 +99,14 @@ def _bwd_dkdv_inner(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm
             row_hit = (x0 > n0) | (tl.maximum(x1, n0) < tl.minimum(x2, key_hi))
             if tl.max(row_hit.to(tl.int32), axis=0) > 0:
                 dk, dv, hist = _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd,
-                                        stride_dom, stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M,
-                                        c, w, f, alpha, DQ, DV, RB, GB, x0, x1, x2, MASKED, CAUSAL, HAS_CTX, HAS_TGT,
-                                        HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
+                                        stride_dom, stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, ml, alpha, DQ, DV, RB, GB, x0, x1, x2, MASKED, MASK, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
                                         EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS,
                                         HAS_TS, TAB_GRAD, TS_STEPS)
         else:
             dk, dv, hist = _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
-                                    stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, c, w, f, alpha,
+                                    stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, ml, alpha,
                                     DQ, DV, RB, GB,
-                                    offs_m0, offs_m0, offs_m0, MASKED, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                                    HAS_MINFULL, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
+                                    offs_m0, offs_m0, offs_m0, MASKED, MASK, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                     BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD, TS_STEPS)
     return dk, dv, hist
 
@@ -125,12 +118,11 @@ def _hstu_bwd_dkdv_kernel(
     stride_dom, stride_doh, stride_dod, stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
     stride_sm,
     alpha, scale_const,
-    H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
+    H, DQ, DV, ROWS, MAX_N, ML0, ML1, ML2, ML3, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
     DRAB, stride_gb, stride_gh, stride_gi, stride_gj,
     TS, POSW, TSW, NB, DPOS, DTS, TAB_COPIES, stride_pc, stride_tc, TSB, TSP,
-    CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr,
+    MASK: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True,
@@ -139,6 +131,7 @@ def _hstu_bwd_dkdv_kernel(
     TS_STEPS: tl.constexpr = 0,
 ):
     alpha, scale_const = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32)  # fp64 under Inductor
+    ml = (ML0, ML1, ML2, ML3)  # the mask lengths (attention_jit reads them)
     # early key blocks are seen by the most query rows: launched first
     pid_bh, n_blk = _tile(MAX_N, BLOCK_N, False, SEQ_MAJOR)
     b = pid_bh // H
@@ -147,10 +140,10 @@ def _hstu_bwd_dkdv_kernel(
     n0 = n_blk * BLOCK_N
     if n0 >= n:
         return
-    M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
+    M = _id_end(n, b, NUM_TARGETS, ml, MASK)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    pi_n = _ids(offs_n, CTX, M, HAS_CTX, HAS_TGT)
+    pi_n = _ids(offs_n, M, ml, MASK)
 
     q_base = Q + start * stride_qm + h * stride_qh
     k_base = K + start * stride_km + h * stride_kh
@@ -211,10 +204,9 @@ def _hstu_bwd_dkdv_kernel(
     if HAS_IV:
         cb, qa, qf, qe, qz = n * 0, n * 0, n, n, n
     else:
-        cb, qa, qf, qe, qz = _bwd_query_range(n0, n, M, CTX, WINDOW, MINFULL, BLOCK_M, BLOCK_N, CAUSAL, HAS_CTX,
-                                              HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+        cb, qa, qf, qe, qz = _bwd_query_range(n0, n, M, ml, BLOCK_M, BLOCK_N, MASK)
     for seg in tl.static_range(4):
-        if (seg == 0 and HAS_CTX and not HAS_IV) or seg == 1 or (seg >= 2 and not HAS_IV):
+        if (seg == 0 and (_CONTEXT & MASK) != 0 and not HAS_IV) or seg == 1 or (seg >= 2 and not HAS_IV):
             if seg == 0:
                 lo, hi = cb * 0, cb
             elif seg == 1:
@@ -224,9 +216,8 @@ def _hstu_bwd_dkdv_kernel(
             else:
                 lo, hi = qe, qz
             dk, dv, hist = _bwd_dkdv_inner(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
-                                     stride_dod, stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, CTX, WINDOW,
-                                     MINFULL, alpha, DQ, DV, RB, GB, IV_h, stride_ir, stride_ic, n0, BLOCK_N,
-                                     seg != 2, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, SCALE_MODE, TMA,
+                                     stride_dod, stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, ml, alpha, DQ, DV, RB, GB, IV_h, stride_ir, stride_ic, n0, BLOCK_N,
+                                     seg != 2, MASK, SCALE_MODE, TMA,
                                      DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB,
                                      RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD, TS_STEPS)
 
@@ -254,9 +245,8 @@ def _hstu_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
-                  n, M, c, w, f, alpha, DQ, DV, RB, x0, x1, x2,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
+                  n, M, ml, alpha, DQ, DV, RB, x0, x1, x2,
+                  MASKED: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                   PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                   HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr,
@@ -275,8 +265,7 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
             _, dsilu = _silu_and_grad(s, a, FAST)
             ds = (dp * dsilu).to(k.dtype)
         if MASKED:
-            ok = _row_tile_mask(pos_m, offs_n, pi_m, x0, x1, x2, n, M, c, w, f, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                                HAS_MINFULL, HAS_IV)
+            ok = _row_tile_mask(pos_m, offs_n, pi_m, x0, x1, x2, n, M, ml, MASK, HAS_IV)
             ds = tl.where(ok, ds, 0.0)
         dq = tl.dot(ds, k, dq, input_precision=PREC)
     return dq
@@ -288,11 +277,10 @@ def _hstu_bwd_dq_kernel(
     stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
     stride_dom, stride_doh, stride_dod, stride_dqm, stride_dqh, stride_sm,
     alpha, scale_const, one,
-    H, DQ, DV, ROWS, MAX_N, CTX, WINDOW, MINFULL, N_BUCKET,
+    H, DQ, DV, ROWS, MAX_N, ML0, ML1, ML2, ML3, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
     TS, POSW, TSW, NB, TSB, TSP,
-    CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr,
+    MASK: tl.constexpr, SCALE_MODE: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
@@ -301,6 +289,7 @@ def _hstu_bwd_dq_kernel(
 ):
     # fp64 under Inductor: see the forward kernel
     alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
+    ml = (ML0, ML1, ML2, ML3)  # the mask lengths (attention_jit reads them)
     pid_bh, m_blk = _tile(MAX_N, BLOCK_M, True, SEQ_MAJOR)
     b = pid_bh // H
     h = pid_bh % H
@@ -308,9 +297,9 @@ def _hstu_bwd_dq_kernel(
     r0 = m_blk * BLOCK_M
     if r0 >= n:
         return
-    M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
+    M = _id_end(n, b, NUM_TARGETS, ml, MASK)
     offs_r = r0 + tl.arange(0, BLOCK_M)
-    pi_m = _ids(offs_r, CTX, M, HAS_CTX, HAS_TGT)
+    pi_m = _ids(offs_r, M, ml, MASK)
 
     q_base = Q + start * stride_qm + h * stride_qh
     k_base = K + start * stride_km + h * stride_kh
@@ -338,28 +327,27 @@ def _hstu_bwd_dq_kernel(
                               stride_ir, stride_ic)
         a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
-                           CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
+                           n, M, ml, alpha, DQ, DV, RB, x0, x1, x2, True,
+                           MASK, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                            BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
-                           CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
+                           n, M, ml, alpha, DQ, DV, RB, x0, x1, x2, True,
+                           MASK, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                            BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     else:
         m_last = tl.minimum(r0 + BLOCK_M, n) - 1
-        a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
-                                      HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+        a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, ml, BLOCK_N, MASK)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
-                           offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                           n, M, ml, alpha, DQ, DV, RB, offs_r, offs_r,
+                           offs_r, True, MASK, TMA, FAST, PREC, EVEN_DQ,
                            EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
-                           offs_r, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                           n, M, ml, alpha, DQ, DV, RB, offs_r, offs_r,
+                           offs_r, False, MASK, TMA, FAST, PREC, EVEN_DQ,
                            EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, offs_r, pi_m,
-                           n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, offs_r, offs_r,
-                           offs_r, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                           n, M, ml, alpha, DQ, DV, RB, offs_r, offs_r,
+                           offs_r, True, MASK, TMA, FAST, PREC, EVEN_DQ,
                            EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     if SCALE_MODE == 0:
         sc = scale_const

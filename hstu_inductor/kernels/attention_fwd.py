@@ -20,9 +20,8 @@ from .attention_jit import (_bias_operands, _fwd_key_range, _id_end, _ids, _iv_k
 
 @triton.jit
 def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
-               n, M, c, w, f, alpha, DQ, DV, RB, x0, x1, x2,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
+               n, M, ml, alpha, DQ, DV, RB, x0, x1, x2,
+               MASKED: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                HAS_RAB: tl.constexpr, HAS_IV: tl.constexpr,
@@ -39,8 +38,7 @@ def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
         else:
             p = _silu(s, a, FAST).to(v.dtype)
         if MASKED:
-            ok = _row_tile_mask(pos_m, offs_n, pi_m, x0, x1, x2, n, M, c, w, f, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW,
-                                HAS_MINFULL, HAS_IV)
+            ok = _row_tile_mask(pos_m, offs_n, pi_m, x0, x1, x2, n, M, ml, MASK, HAS_IV)
             p = tl.where(ok, p, 0.0)
         acc = tl.dot(p, v, acc, input_precision=PREC)
     return acc
@@ -52,11 +50,10 @@ def _hstu_fwd_kernel(
     stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od, stride_sm,
     alpha, scale_const, one,
-    H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, CTX, WINDOW, MINFULL, N_BUCKET,
+    H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, ML0, ML1, ML2, ML3, N_BUCKET,
     RAB, stride_rb, stride_rh, stride_ri, stride_rj, IV, stride_ih, stride_ir, stride_ic,
     TS, POSW, TSW, NB, TSB, TSP,
-    CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_MINFULL: tl.constexpr, SCALE_MODE: tl.constexpr, DELTA: tl.constexpr, TMA: tl.constexpr,
+    MASK: tl.constexpr, SCALE_MODE: tl.constexpr, DELTA: tl.constexpr, TMA: tl.constexpr,
     FAST: tl.constexpr, PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
@@ -66,6 +63,7 @@ def _hstu_fwd_kernel(
     # Inductor passes Python float arguments of user kernels as fp64 (a direct launch passes fp32):
     # cast once so the score math and the fp32-only inline-asm silu see fp32 on both paths.
     alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
+    ml = (ML0, ML1, ML2, ML3)  # the mask lengths (attention_jit reads them)
     # heaviest row blocks (largest start row under a causal mask) are launched first
     if DELTA:
         pid_bh, m_blk = _tile(DELTA_ROWS, BLOCK_M, True, SEQ_MAJOR)
@@ -86,11 +84,11 @@ def _hstu_fwd_kernel(
     if r0 >= nq:
         return
 
-    M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
+    M = _id_end(n, b, NUM_TARGETS, ml, MASK)
 
     offs_r = r0 + tl.arange(0, BLOCK_M)
     pos_m = pos0 + offs_r
-    pi_m = _ids(pos_m, CTX, M, HAS_CTX, HAS_TGT)
+    pi_m = _ids(pos_m, M, ml, MASK)
 
     q_base = Q + q_row0 * stride_qm + h * stride_qh
     k_base = K + start * stride_km + h * stride_kh
@@ -114,29 +112,28 @@ def _hstu_fwd_kernel(
                               stride_ir, stride_ic)
         a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
-                         CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
+                         n, M, ml, alpha, DQ, DV, RB, x0, x1, x2, True,
+                         MASK, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                          BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, x0, x1, x2, True,
-                         CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
+                         n, M, ml, alpha, DQ, DV, RB, x0, x1, x2, True,
+                         MASK, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                          BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     else:
         m_first = tl.maximum(pos0 + r0, 0)
         m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
-        a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, CTX, WINDOW, MINFULL, BLOCK_N, CAUSAL, HAS_CTX,
-                                      HAS_TGT, HAS_WINDOW, HAS_MINFULL)
+        a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, ml, BLOCK_N, MASK)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
-                         pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                         n, M, ml, alpha, DQ, DV, RB, pos_m, pos_m,
+                         pos_m, True, MASK, TMA, FAST, PREC, EVEN_DQ,
                          EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
-                         pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                         n, M, ml, alpha, DQ, DV, RB, pos_m, pos_m,
+                         pos_m, False, MASK, TMA, FAST, PREC, EVEN_DQ,
                          EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
         acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, pos_m, pi_m,
-                         n, M, CTX, WINDOW, MINFULL, alpha, DQ, DV, RB, pos_m, pos_m,
-                         pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, HAS_MINFULL, TMA, FAST, PREC, EVEN_DQ,
+                         n, M, ml, alpha, DQ, DV, RB, pos_m, pos_m,
+                         pos_m, True, MASK, TMA, FAST, PREC, EVEN_DQ,
                          EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
 
     if SCALE_MODE == 0:

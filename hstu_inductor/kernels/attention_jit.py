@@ -22,6 +22,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..spec import KernelMask
+
+# The kernels' mask arguments (AttentionSpec.kernel_flags / kernel_lengths): one constexpr switch set ``MASK``,
+# tested as ``_BIT & MASK`` (a constexpr, so every branch below is resolved at compile time), and the run-time
+# lengths ``ml = (ML0, ML1, ML2, ML3)``, a tuple the kernels build from their scalar arguments. The helpers of
+# this module are the only readers of either: a new mask option changes them, not the kernels.
+_CAUSAL: tl.constexpr = tl.constexpr(KernelMask.CAUSAL)
+_TARGETS: tl.constexpr = tl.constexpr(KernelMask.TARGETS)
+_CONTEXT: tl.constexpr = tl.constexpr(KernelMask.CONTEXT)
+_WINDOW: tl.constexpr = tl.constexpr(KernelMask.WINDOW)
+_MINFULL: tl.constexpr = tl.constexpr(KernelMask.MINFULL)
+
 
 # --------------------------------------------------------------------------------------------
 # Element-wise helpers
@@ -29,13 +41,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _ids(p, c, M, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr):
+def _ids(p, M, ml, MASK: tl.constexpr):
     """pi(p): contextual prefix -> id 0, targets -> id M (M already holds the target shift)."""
-    if HAS_CTX:
-        x = tl.maximum(p - c + 1, 0)
+    if _CONTEXT & MASK:
+        x = tl.maximum(p - ml[0] + 1, 0)
     else:
         x = p
-    if HAS_TGT:
+    if _TARGETS & MASK:
         x = tl.minimum(x, M)
     return x
 
@@ -53,31 +65,31 @@ def _seq_bounds(SEQ_OFFSETS, b, rows, max_n):
 
 
 @triton.jit
-def _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr):
+def _id_end(n, b, NUM_TARGETS, ml, MASK: tl.constexpr):
     """M, the end of ids of a sequence of length n; its target count is clamped to [0, n]."""
-    if HAS_CTX:
-        M = n - CTX + 1
+    if _CONTEXT & MASK:
+        M = n - ml[0] + 1
     else:
         M = n
-    if HAS_TGT:
+    if _TARGETS & MASK:
         M = M - tl.minimum(tl.maximum(tl.load(NUM_TARGETS + b).to(tl.int32), 0), n)
     return M
 
 
 @triton.jit
-def _valid(i, j, pi_i, pi_j, n, M, w, f, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
-           HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr):
-    """valid(i, j) for raw positions i (queries) and j (keys) of one sequence of length n."""
+def _valid(i, j, pi_i, pi_j, n, M, ml, MASK: tl.constexpr):
+    """valid(i, j) for raw positions i (queries) and j (keys) of one sequence of length n (the kernels' spelling
+    of reference.mask.hstu_valid)."""
     ok = (i < n) & (j < n) & (i >= 0)
-    if CAUSAL:
+    if _CAUSAL & MASK:
         d = pi_i - pi_j
         v = (i == j) | (d > 0)
-        if HAS_WINDOW:
-            win = d <= w
-            if HAS_MINFULL:
-                win = win | (pi_i >= M - f)
+        if _WINDOW & MASK:
+            win = d <= ml[1]
+            if _MINFULL & MASK:
+                win = win | (pi_i >= M - ml[2])
             v = v & win
-        if HAS_CTX:
+        if _CONTEXT & MASK:
             v = v | ((pi_i == 0) & (pi_j < M))
         ok = ok & v
     return ok
@@ -269,15 +281,13 @@ def _iv_valid(i, j, x0, x1, x2, n):
 
 
 @triton.jit
-def _row_tile_mask(pos_m, offs_n, pi_m, x0, x1, x2, n, M, c, w, f, CAUSAL: tl.constexpr, HAS_CTX: tl.constexpr,
-                   HAS_TGT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MINFULL: tl.constexpr, HAS_IV: tl.constexpr):
+def _row_tile_mask(pos_m, offs_n, pi_m, x0, x1, x2, n, M, ml, MASK: tl.constexpr, HAS_IV: tl.constexpr):
     """Visibility of a [BLOCK_M, BLOCK_N] tile with query rows ``pos_m`` (ids ``pi_m``) and keys ``offs_n``: the
     interval mask with intervals, else the HSTU mask (the forward's and dQ's loops; dK/dV's tile is transposed)."""
     if HAS_IV:
         return _iv_valid(pos_m[:, None], offs_n[None, :], x0[:, None], x1[:, None], x2[:, None], n)
-    pi_n = _ids(offs_n, c, M, HAS_CTX, HAS_TGT)
-    return _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, w, f, CAUSAL, HAS_CTX,
-                  HAS_WINDOW, HAS_MINFULL)
+    pi_n = _ids(offs_n, M, ml, MASK)
+    return _valid(pos_m[:, None], offs_n[None, :], pi_m[:, None], pi_n[None, :], n, M, ml, MASK)
 
 
 @triton.jit
@@ -396,35 +406,35 @@ def _tile(span, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr, SEQ_MAJOR: tl.con
 
 
 @triton.jit
-def _fwd_key_range(m_first, m_last, n, M, c, w, f, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                   HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_MINFULL: tl.constexpr):
+def _fwd_key_range(m_first, m_last, n, M, ml, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
     """Key ranges for the query rows [m_first, m_last] (raw positions).
 
     Returns (a, fs, fe, e), multiples of BLOCK_N: keys in [a, fs) and [fe, e) need the mask, keys in
     [fs, fe) are valid for every query row of the block, keys outside [a, e) are invalid for all.
     """
-    if CAUSAL:
-        if HAS_CTX:
-            c1 = c - 1
+    w = ml[1]
+    f = ml[2]
+    if _CAUSAL & MASK:
+        if _CONTEXT & MASK:
+            c1 = ml[0] - 1
         else:
             c1 = 0
-        P = _ids(m_first, c, M, HAS_CTX, HAS_TGT)
-        Pmax = _ids(m_last, c, M, HAS_CTX, HAS_TGT)
+        P = _ids(m_first, M, ml, MASK)
+        Pmax = _ids(m_last, M, ml, MASK)
         hi = m_last + 1  # causal: j <= i
         lo = m_last * 0
         full_lo = m_last * 0
-        if HAS_WINDOW:
+        if _WINDOW & MASK:
             # valid j needs pi(j) >= pi(i) - w >= P - w, and pi(j) <= max(j - c1, 0)
             lo = tl.where(P - w > 0, P - w + c1, 0)
             qw = Pmax - w
             full_lo = tl.where(qw > 0, qw + c1, 0)
-            if HAS_MINFULL:  # rows with pi >= M - f ignore the window
+            if _MINFULL & MASK:  # rows with pi >= M - f ignore the window
                 lo = tl.where(Pmax >= M - f, 0, lo)
                 full_lo = tl.where(P >= M - f, 0, full_lo)
         # every j with pi(j) < P is strictly before every row of the block (d > 0)
         full_hi = tl.where(P > 0, P + c1, 0)
-        if HAS_CTX:  # contextual rows (pi == 0) see the whole non-target history
+        if _CONTEXT & MASK:  # contextual rows (pi == 0) see the whole non-target history
             is_ctx = P == 0
             lo = tl.where(is_ctx, 0, lo)
             hi = tl.where(is_ctx, n, hi)
@@ -441,16 +451,16 @@ def _fwd_key_range(m_first, m_last, n, M, c, w, f, BLOCK_N: tl.constexpr, CAUSAL
 
 
 @triton.jit
-def _bwd_query_range(n0, n, M, c, w, f, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_CTX: tl.constexpr, HAS_TGT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     HAS_MINFULL: tl.constexpr):
+def _bwd_query_range(n0, n, M, ml, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
     """Query ranges that can see the key rows [n0, n0 + BLOCK_N) (raw positions).
 
     Returns (cb, qa, qf, qe, qz), multiples of BLOCK_M: rows [0, cb) (contextual prefix) and
     [qa, qf), [qe, qz) need the mask; rows [qf, qe) see every key of the block.
     """
-    if CAUSAL:
-        if HAS_CTX:
+    c = ml[0]
+    w = ml[1]
+    if _CAUSAL & MASK:
+        if _CONTEXT & MASK:
             c1 = c - 1
             cb = (c + BLOCK_M - 1) // BLOCK_M
         else:
@@ -458,26 +468,26 @@ def _bwd_query_range(n0, n, M, c, w, f, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
             cb = n * 0
         j_last = tl.minimum(n0 + BLOCK_N, n) - 1
         qhi = n
-        if HAS_WINDOW:
-            if not HAS_MINFULL:
-                x = _ids(j_last, c, M, HAS_CTX, HAS_TGT) + w  # rows need pi(i) <= pi(j_last) + w
+        if _WINDOW & MASK:
+            if not (_MINFULL & MASK):
+                x = _ids(j_last, M, ml, MASK) + w  # rows need pi(i) <= pi(j_last) + w
                 qhi = tl.minimum(n, x + c1 + 1)
-                if HAS_TGT:
+                if _TARGETS & MASK:
                     qhi = tl.where(x >= M, n, qhi)
         qa = tl.maximum(n0 // BLOCK_M, cb)
         qz = (qhi + BLOCK_M - 1) // BLOCK_M
         # full rows: pi(i) >= max(n0 + BLOCK_N - c1, 1) (keys strictly earlier), rows complete
         qf = (tl.maximum(n0 + BLOCK_N, c1 + 1) + BLOCK_M - 1) // BLOCK_M
         qe = n // BLOCK_M
-        if HAS_TGT:
+        if _TARGETS & MASK:
             qe = tl.where(n0 + BLOCK_N - c1 > M, qf, qe)
-        if HAS_WINDOW:
-            if HAS_MINFULL:
+        if _WINDOW & MASK:
+            if _MINFULL & MASK:
                 qe = qf
             else:
-                y = _ids(n0, c, M, HAS_CTX, HAS_TGT) + w  # whole block in window: pi(last row) <= y
+                y = _ids(n0, M, ml, MASK) + w  # whole block in window: pi(last row) <= y
                 qe_w = (y + c1 + 1) // BLOCK_M
-                if HAS_TGT:
+                if _TARGETS & MASK:
                     qe_w = tl.where(y >= M, qe, qe_w)
                 qe = tl.minimum(qe, qe_w)
         qe = tl.where(n0 + BLOCK_N > n, qf, qe)

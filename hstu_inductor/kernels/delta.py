@@ -81,13 +81,14 @@ def _hstu_delta_kernel(
     stride_qm, stride_qh, stride_qd, stride_km, stride_kh, stride_kd, stride_vm, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od, stride_sm,
     alpha, scale_const,
-    H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, CTX, WINDOW, SPLIT, PLANE,
-    CAUSAL: tl.constexpr, HAS_TGT: tl.constexpr, HAS_CTX: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    H, DQ, DV, ROWS, MAX_N, DELTA_ROWS, ML0, ML1, ML2, ML3, SPLIT, PLANE,
+    MASK: tl.constexpr,
     SCALE_MODE: tl.constexpr, PARTIAL: tl.constexpr, FOLD: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
     EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, Q_SMEM: tl.constexpr,
 ):
     alpha, scale_const = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32)  # fp64 under Inductor
+    ml = (ML0, ML1, ML2, ML3)  # the mask lengths (attention_jit reads them)
     # program order: split fastest, then row block, then (sequence, head)
     pid = tl.program_id(0)
     s = pid % SPLIT
@@ -101,10 +102,10 @@ def _hstu_delta_kernel(
     pos0 = n - DELTA_ROWS
     q_row0 = b.to(tl.int64) * DELTA_ROWS
     r0 = m_blk * BLOCK_M
-    M = _id_end(n, b, NUM_TARGETS, CTX, HAS_CTX, HAS_TGT)
+    M = _id_end(n, b, NUM_TARGETS, ml, MASK)
     offs_r = r0 + tl.arange(0, BLOCK_M)
     pos_m = pos0 + offs_r
-    pi_m = _ids(pos_m, CTX, M, HAS_CTX, HAS_TGT)
+    pi_m = _ids(pos_m, M, ml, MASK)
 
     q_base = Q + q_row0 * stride_qm + h * stride_qh
     if Q_SMEM:
@@ -123,8 +124,7 @@ def _hstu_delta_kernel(
 
     m_first = tl.maximum(pos0 + r0, 0)
     m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
-    a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, CTX, WINDOW, 0, BLOCK_N, CAUSAL, HAS_CTX, HAS_TGT,
-                                    HAS_WINDOW, False)
+    a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, ml, BLOCK_N, MASK)
     # this program's share of the visible key tiles [a, e): whole tiles, the first splits one tile longer
     tiles = (e - a) // BLOCK_N
     per = tiles // SPLIT
@@ -134,16 +134,16 @@ def _hstu_delta_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # the full forward's three segments (masked, full, masked), each cut to [lo, hi)
     acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
-                       tl.maximum(a, lo), tl.minimum(fs, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
-                       pos_m, pos_m, pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, TMA, FAST, PREC,
+                       tl.maximum(a, lo), tl.minimum(fs, hi), pos_m, pi_m, n, M, ml, alpha, DQ, DV, RB,
+                       pos_m, pos_m, pos_m, True, MASK, TMA, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
     acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
-                       tl.maximum(fs, lo), tl.minimum(fe, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
-                       pos_m, pos_m, pos_m, False, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, TMA, FAST, PREC,
+                       tl.maximum(fs, lo), tl.minimum(fe, hi), pos_m, pi_m, n, M, ml, alpha, DQ, DV, RB,
+                       pos_m, pos_m, pos_m, False, MASK, TMA, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
     acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
-                       tl.maximum(fe, lo), tl.minimum(e, hi), pos_m, pi_m, n, M, CTX, WINDOW, 0, alpha, DQ, DV, RB,
-                       pos_m, pos_m, pos_m, True, CAUSAL, HAS_CTX, HAS_TGT, HAS_WINDOW, False, TMA, FAST, PREC,
+                       tl.maximum(fe, lo), tl.minimum(e, hi), pos_m, pi_m, n, M, ml, alpha, DQ, DV, RB,
+                       pos_m, pos_m, pos_m, True, MASK, TMA, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
 
     if SCALE_MODE == 0:
@@ -297,8 +297,8 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
     if rq == 0 or H == 0 or max_seq_len <= 0:
         return out.zero_()
     scale_mode, scale_const, scale_t, stride_s = A._scale_args(attn_scale, max_seq_len, delta_q.device, rq)
-    flags = AttentionSpec(True, max_attn_len, contextual_seq_len).kernel_flags(has_targets=num_targets is not None)
-    flags.pop("HAS_MINFULL")
+    spec = AttentionSpec(True, max_attn_len, contextual_seq_len)
+    flags = spec.kernel_flags(has_targets=num_targets is not None)
     bdq, bdv = A._block_d(Dq), A._block_d(Dv)
     plan = _plan_for(D, delta_q.dtype, plan, config, max_seq_len)
     use_tma = _use_tma(tma, plan, delta_q.device, k, v)
@@ -321,7 +321,7 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
         args = (delta_q, k, v, out, part, cnt, seq_offsets, num_targets, scale_t,
                 *delta_q.stride(), *k.stride(), *v.stride(), *out.stride(), stride_s,
                 float(alpha), float(scale_const), H, Dq, Dv, k.shape[0], max_seq_len, D,
-                int(contextual_seq_len), int(max_attn_len), split, plane)
+                *spec.kernel_lengths(), split, plane)
         kwargs = dict(flags, SCALE_MODE=scale_mode, PARTIAL=partial, FOLD=fold,
                       FAST=A._fast_silu(delta_q.dtype, delta_q.device), PREC=A._prec(delta_q.dtype), EVEN_DQ=bdq == Dq,
                       EVEN_DV=bdv == Dv, BLOCK_DQ=bdq, BLOCK_DV=bdv, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
