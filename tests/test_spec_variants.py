@@ -9,7 +9,7 @@ import hstu_inductor
 from hstu_inductor import ops
 from hstu_inductor.ops import variants
 from hstu_inductor.reference import hstu_mha
-from hstu_inductor.spec import AttentionSpec
+from hstu_inductor.spec import KERNEL_LENGTHS, AttentionSpec, KernelMask
 from tests._helpers import offsets_from_lengths
 
 
@@ -40,11 +40,14 @@ def test_spec_rules_that_depend_on_inputs():
 
 def test_spec_kernel_flags_and_variant_scope():
     spec = AttentionSpec(True, 8, 2, 3)
-    assert spec.kernel_flags(has_targets=True) == dict(CAUSAL=True, HAS_TGT=True, HAS_CTX=True, HAS_WINDOW=True,
-                                                       HAS_MINFULL=True)
-    assert spec.kernel_lengths() == (2, 8, 3)
+    assert spec.kernel_flags(has_targets=True) == dict(MASK=31)  # every KernelMask bit
+    assert spec.kernel_lengths() == (2, 8, 3, 0)
+    assert len(spec.kernel_lengths()) == KERNEL_LENGTHS
+    assert AttentionSpec(causal=False).kernel_flags(has_targets=False) == dict(MASK=0)
+    assert AttentionSpec().kernel_flags(has_targets=False, has_intervals=True) == dict(MASK=0, HAS_IV=True)
     # a full-attention tail without a window has no effect, so no switch
-    assert not AttentionSpec(min_full_attn_seq_len=3).kernel_flags(has_targets=False)["HAS_MINFULL"]
+    assert AttentionSpec(min_full_attn_seq_len=3).kernel_flags(has_targets=False) == dict(MASK=KernelMask.CAUSAL)
+    assert AttentionSpec(max_attn_len=4).kernel_mask(True) == KernelMask.CAUSAL | KernelMask.TARGETS | KernelMask.WINDOW
     assert AttentionSpec().plain_causal and not spec.plain_causal and not AttentionSpec(causal=False).plain_causal
     assert AttentionSpec.from_op_args(*spec.op_args()) == spec
 

@@ -460,7 +460,7 @@ def hstu_attention_fwd(q, k, v, seq_offsets, max_seq_len: int, alpha: float, num
 
 
 def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
-                             max_attn_len=0, contextual_seq_len=0, *, tma=None) -> torch.Tensor:
+                             max_attn_len=0, contextual_seq_len=0, *, tma=None, spec=None) -> torch.Tensor:
     """Cached attention: ``delta_q: [B*D, H, Dq]`` are the last D rows of every sequence -> ``[B*D, H, Dv]``.
 
     Needs ``n_b >= D`` (rows of a shorter sequence that would precede its start come out as zeros).
@@ -474,7 +474,7 @@ def delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num
         raise ValueError(f"delta_q rows {delta_q.shape[0]} not a multiple of B={B}")
     if D == 0:
         return delta_q.new_zeros((0, delta_q.shape[1], v.shape[2]))
-    spec = AttentionSpec(True, max_attn_len, contextual_seq_len)
+    spec = spec or AttentionSpec(True, max_attn_len, contextual_seq_len)
     return _fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, spec, D, tma)
 
 

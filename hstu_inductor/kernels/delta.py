@@ -241,18 +241,19 @@ def _counters(n: int, device, *tensors) -> torch.Tensor:
 
 
 def delta_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
-                        max_attn_len=0, contextual_seq_len=0, *, tma=None) -> torch.Tensor:
+                        max_attn_len=0, contextual_seq_len=0, *, tma=None, spec=None) -> torch.Tensor:
     """Cached attention (``attention.delta_hstu_attention_fwd``'s contract): this kernel with the plan that
-    ``delta_plans.PLANS`` gives the rows per sequence, the full forward's row blocks where it gives none."""
+    ``delta_plans.PLANS`` gives the rows per sequence, the full forward's row blocks where it gives none.
+    ``spec``: the mask options at once (an ``AttentionSpec``), in place of the loose ones."""
     B = seq_offsets.shape[0] - 1
     D = delta_q.shape[0] // B if B > 0 else 0
     if B > 0 and 0 < D and D * B == delta_q.shape[0]:
         plan = P.default_plan(D, delta_q.dtype == torch.float32, max_seq_len)
         if plan is not None:
             return delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
-                                 max_attn_len, contextual_seq_len, plan=plan, tma=tma)
+                                 max_attn_len, contextual_seq_len, plan=plan, tma=tma, spec=spec)
     return A.delta_hstu_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale,
-                                      max_attn_len, contextual_seq_len, tma=tma)
+                                      max_attn_len, contextual_seq_len, tma=tma, spec=spec)
 
 
 def _plan_for(D, dtype, plan, config, max_seq_len=0):
@@ -282,7 +283,7 @@ def _use_tma(tma, plan, device, k, v) -> bool:
 
 def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=None, attn_scale=None,
                   max_attn_len=0, contextual_seq_len=0, *, split=None, config=None, fold=True, plan=None,
-                  tma=None) -> torch.Tensor:
+                  tma=None, spec=None) -> torch.Tensor:
     """Cached attention (:func:`hstu_inductor.kernels.attention.delta_hstu_attention_fwd`'s contract) with this
     kernel. ``plan`` (a ``delta_plans.Plan``), ``split`` and ``config`` ((BLOCK_N, stages, warps)) override the
     automatic choices (tests, benchmarks); ``fold=False`` sums the partials in a second launch (for
@@ -297,7 +298,7 @@ def delta_forward(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=No
     if rq == 0 or H == 0 or max_seq_len <= 0:
         return out.zero_()
     scale_mode, scale_const, scale_t, stride_s = A._scale_args(attn_scale, max_seq_len, delta_q.device, rq)
-    spec = AttentionSpec(True, max_attn_len, contextual_seq_len)
+    spec = spec or AttentionSpec(True, max_attn_len, contextual_seq_len)
     flags = spec.kernel_flags(has_targets=num_targets is not None)
     bdq, bdv = A._block_d(Dq), A._block_d(Dv)
     plan = _plan_for(D, delta_q.dtype, plan, config, max_seq_len)

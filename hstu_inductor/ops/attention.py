@@ -329,11 +329,13 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 @triton_op("hstu::delta_attention", mutates_args=())
+@AttentionSpec.op_params
 def delta_attention(delta_q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int, alpha: float,
                     num_targets: Optional[Tensor] = None, attn_scale: Optional[Tensor] = None,
-                    max_attn_len: int = 0, contextual_seq_len: int = 0) -> Tensor:
+                    max_attn_len: int = 0, contextual_seq_len: int = 0, **added) -> Tensor:
     """Cached attention for inference: the last ``D`` rows of every sequence (``[B*D, H, Dv]``).
     Inference only (no autograd)."""
+    spec = AttentionSpec(True, max_attn_len, contextual_seq_len, **added)
     validate_attention_inputs(delta_q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
                               contextual_seq_len, 0, num_query_rows=delta_q.shape[0], check_values=False)
     B = seq_offsets.shape[0] - 1
@@ -342,6 +344,6 @@ def delta_attention(delta_q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, 
     kern = _delta_kernels_for(delta_q)
     if kern is not None:
         return kern.delta_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets,
-                                             attn_scale, max_attn_len, contextual_seq_len, tma=_tma())
-    return delta_hstu_mha(max_seq_len, alpha, delta_q, k, v, seq_offsets, num_targets, attn_scale, max_attn_len,
-                          contextual_seq_len).contiguous()
+                                        attn_scale, tma=_tma(), spec=spec)
+    return delta_hstu_mha(max_seq_len, alpha, delta_q, k, v, seq_offsets, num_targets, attn_scale,
+                          spec=spec).contiguous()

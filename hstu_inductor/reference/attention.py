@@ -301,12 +301,18 @@ def delta_hstu_mha(
     attn_scale: torch.Tensor | None = None,
     max_attn_len: int = 0,
     contextual_seq_len: int = 0,
+    *,
+    spec: AttentionSpec | None = None,
 ) -> torch.Tensor:
     """Cached attention: ``delta_q: [B*D, H, Dq]`` are the last ``D`` rows of every sequence.
 
     Returns ``[B*D, H, Dv]`` equal to rows ``n_b-D .. n_b-1`` of :func:`hstu_mha` (causal, f = 0).
-    ``attn_scale`` is None, a scalar, or per delta row ``[B*D]``. Requires ``n_b >= D``.
+    ``attn_scale`` is None, a scalar, or per delta row ``[B*D]``. Requires ``n_b >= D``. ``spec``: the mask
+    options at once (causal, no full-attention tail), in place of the loose ones.
     """
+    if spec is not None:
+        max_attn_len, contextual_seq_len = spec.max_attn_len, spec.contextual_seq_len
+    spec = spec or AttentionSpec(True, max_attn_len, contextual_seq_len)
     B = seq_offsets.shape[0] - 1
     require(B > 0 or delta_q.shape[0] == 0, lambda: "seq_offsets describes no sequence")
     validate_attention_inputs(
@@ -320,7 +326,7 @@ def delta_hstu_mha(
     if _is_concrete(lengths) and lengths.numel():
         require(bool((lengths >= D).all()), lambda: f"every sequence needs at least D={D} rows")
     qpos = lengths.unsqueeze(1) - D + torch.arange(D, device=lengths.device, dtype=lengths.dtype)  # [B, D]
-    valid = hstu_mask(lengths, N, num_targets, max_attn_len, contextual_seq_len, 0, True, qpos).unsqueeze(1)
+    valid = hstu_mask(lengths, N, num_targets, query_positions=qpos, spec=spec).unsqueeze(1)
     qd = delta_q.reshape(B, D, *delta_q.shape[1:])
     rows = lambda t: t.reshape(B, D)  # noqa: E731
     scale = _row_scale(attn_scale, seq_offsets, N, rows)

@@ -1,7 +1,7 @@
 """The package reads floor by floor: no import circles, no import running back up.
 
 Floors, lowest first (``docs/patterns.md``, "Module map"): ``_compat`` / ``config`` / ``report`` / ``spec``
-(shared by all), ``reference``, ``kernels`` and ``patterns``, ``ops``, ``lowerings``, ``backend``,
+(shared by all), ``reference``, ``kernels`` and ``patterns``, ``ops``, ``backend``,
 ``explain`` / ``export`` / ``testing`` (test corpora and the spelling grammar), the package's ``__init__``. A module may import its own floor or lower
 ones. Read from the sources (``ast``), so a circle hidden behind an import at the bottom of a file
 or inside a function is caught too, and nothing is imported to check it.
@@ -15,7 +15,7 @@ ROOT = pathlib.Path(hstu_inductor.__file__).resolve().parent
 PKG = ROOT.name
 
 FLOORS = {"_compat": 0, "config": 0, "report": 0, "spec": 0, "reference": 1, "kernels": 2, "patterns": 2, "ops": 3,
-          "lowerings": 4, "backend": 5, "cost_rule": 5, "graph_breaks": 5, "explain": 6, "export": 6, "testing": 6, "": 7}
+          "backend": 5, "cost_rule": 5, "graph_breaks": 5, "explain": 6, "export": 6, "testing": 6, "": 7}
 
 
 def _modules() -> dict:
