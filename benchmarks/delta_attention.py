@@ -96,6 +96,7 @@ def main():
     from hstu_inductor.kernels import attention as K
     from hstu_inductor.kernels import delta as Kd
     from hstu_inductor.kernels import delta_plans as P
+    from hstu_inductor.spec import AttentionSpec
 
     if args.cudagraph:
         from triton.testing import do_bench_cudagraph
@@ -132,8 +133,8 @@ def main():
             want = dense[rows].float()
             flops = 2.0 * H * D * float(lengths.sum()) * (2 * Dm)
             runs = {"ours": lambda: Kd.delta_attention_fwd(dq, k, v, off, N, alpha),
-                    # before issue 22: the full forward's row blocks, one program per (sequence, head)
-                    "ours_rowblk": lambda: K._fwd(dq, k, v, off, N, alpha, None, None, 0, 0, 0, True, D, None)}
+                    # the full forward's row blocks, one program per (sequence, head)
+                    "ours_rowblk": lambda: K._fwd(dq, k, v, off, N, alpha, None, None, AttentionSpec(), D, None)}
             base = P.default_plan(D) or P.default_plan(P.max_rows())
             if args.s9 and D <= Kd.max_delta_rows():
                 s9 = dict(config=Kd._CONFIGS[1], split=_s9_split(B * H * -(-D // base.block_m), N, device))

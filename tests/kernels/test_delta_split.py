@@ -18,6 +18,7 @@ from hstu_inductor.kernels import attention as K
 from hstu_inductor.kernels import common, delta, delta_plans
 from hstu_inductor.kernels.delta_plans import Plan
 from hstu_inductor.reference import delta_hstu_mha
+from hstu_inductor.spec import AttentionSpec
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -239,8 +240,8 @@ def test_gpu_split_equals_full_forward(D, dtype):
             out = delta.delta_forward(dq, k, v, off, N, 1 / Dm, split=split, **kw)
             assert rel_err(out, ref) < (2e-2 if dtype == torch.bfloat16 else 2e-4), (split, kw)
         assert torch.equal(out, delta.delta_forward(dq, k, v, off, N, 1 / Dm, split=3, fold=False, **kw))
-        full = K._fwd(dq, k, v, off, N, 1 / Dm, kw.get("num_targets"), None, kw.get("max_attn_len", 0),
-                      kw.get("contextual_seq_len", 0), 0, True, D, None)
+        spec = AttentionSpec(True, kw.get("max_attn_len", 0), kw.get("contextual_seq_len", 0))
+        full = K._fwd(dq, k, v, off, N, 1 / Dm, kw.get("num_targets"), None, spec, D, None)
         assert rel_err(full, ref) < (2e-2 if dtype == torch.bfloat16 else 2e-4)
 
 
