@@ -283,14 +283,11 @@ def attention_bwd_bias(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, seq_offset
                 timestamps, pos_w, ts_w, need_table_grad, ts_bounds, ts_next, added)
 
 
-# the forward's positional arguments; options added to AttentionSpec follow them (keyword-only)
-_N_POSITIONAL = 19
-
-
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output, keyword_only_inputs=None):
     (q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, max_attn_len, contextual_seq_len,
-     min_full_attn_seq_len, causal, rab, intervals, timestamps, pos_w, ts_w, ts_bounds, ts_next) = inputs[:_N_POSITIONAL]
-    ctx.added = dict(zip((f.name for f in AttentionSpec.added_fields()), inputs[_N_POSITIONAL:]))
+     min_full_attn_seq_len, causal, rab, intervals, timestamps, pos_w, ts_w, ts_bounds, ts_next) = inputs
+    # options added to AttentionSpec arrive keyword-only (torch passes them apart; they get no gradient)
+    ctx.added = dict(keyword_only_inputs or {})
     ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_scale, rab, intervals, timestamps, pos_w, ts_w,
                           ts_bounds)
     ctx.args = (max_seq_len, alpha, max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal)
@@ -322,7 +319,7 @@ def _backward(ctx, grad):
     else:
         dq, dk, dv, d_scale = torch.ops.hstu.attention_bwd(*args, rab, intervals, **kw)
     return (dq, dk, dv, None, None, None, None, (d_scale if ctx.need_scale_grad else None), None, None, None, None,
-            d_rab, None, None, d_pos, d_ts, None, None) + (None,) * len(kw)
+            d_rab, None, None, d_pos, d_ts, None, None)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
