@@ -188,6 +188,60 @@ def no_fake_mode():
     return unset_fake_temporarily()
 
 
+def is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(t)
+
+
+def fake_tensor_types() -> tuple:
+    """``(FakeTensor, FakeTensorMode, DynamicOutputShapeException)`` (the test corpora trace under fake modes)."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
+
+    return FakeTensor, FakeTensorMode, DynamicOutputShapeException
+
+
+def custom_graph_pass_base():
+    """Inductor's ``CustomGraphPass`` (the base of passes that carry their own cache key)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def user_triton_kernel(kernel_idx: int):
+    """The Triton kernel a ``triton_kernel_wrapper_*`` node launches (its ``kernel_idx``)."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    return kernel_side_table.get_kernel(kernel_idx)
+
+
+def aot_or_cpp_wrapper() -> bool:
+    """True while Inductor compiles for AOTInductor or its C++ wrapper (no Python at run time)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.virtualized import V
+
+    return bool(inductor_config.cpp_wrapper) or bool(V.aot_compilation)
+
+
+def register_dynamo_backend(fn, name: str) -> None:
+    """Register ``fn`` as Dynamo backend ``name`` unless a backend of that name exists."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if name not in _BACKENDS:
+        register_backend(fn, name=name)
+
+
+def buffer_grapharg(name: str, fake):
+    """What Dynamo records on a registered buffer's placeholder: a ``GraphArg`` whose source is
+    ``L['self']._buffers[name]`` (a backend tells module state from user inputs by it)."""
+    from torch._dynamo import source as S
+    from torch._dynamo.variables.builder import GraphArg
+
+    src = S.DictGetItemSource(S.UnspecializedParamBufferSource(S.UnspecializedNNModuleSource(
+        S.LocalSource("self", is_input=True)), "_buffers"), name)
+    return GraphArg(src, None, pass_arg_as_tensor=False, fake_tensor=fake, is_tensor=True)
+
+
 def specialize_ints(sizes) -> None:
     """Fix symbolic sizes to their current values, with a guard each (``guard_int``): the
     compiled graph then recompiles if one of them changes."""

@@ -34,7 +34,6 @@ import logging
 import threading
 
 import torch
-import torch._inductor.custom_graph_pass
 
 from . import _compat, config, cost_rule
 
@@ -275,7 +274,7 @@ def _with_audit(user_pass):
     return audit if user_pass is None else _Chain(user_pass, audit)
 
 
-class _Chain(torch._inductor.custom_graph_pass.CustomGraphPass):
+class _Chain(_compat.custom_graph_pass_base()):
     """Two post-grad passes in one hook (torch 2.11 holds one callable per hook). No uuid (cache
     bypassed) when the user's pass has none, as Inductor would do for that pass alone."""
 
@@ -334,12 +333,8 @@ def _install_frame_config() -> None:
 
 def register() -> None:
     """Register ``"hstu"`` with Dynamo (idempotent; the entry point does this for installed copies)."""
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
-
-    if "hstu" not in _BACKENDS:
-        register_backend(hstu_backend, name="hstu")
-    if "hstu_eager" not in _BACKENDS:
-        register_backend(hstu_eager_backend, name="hstu_eager")
+    _compat.register_dynamo_backend(hstu_backend, "hstu")
+    _compat.register_dynamo_backend(hstu_eager_backend, "hstu_eager")
     _install_frame_config()
     reason = _compat.install_ddp_pre_split(_rewrite_before_ddp_split)
     if reason is not None:

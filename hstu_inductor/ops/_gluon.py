@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .. import config
+from .. import _compat
 from .._compat import guarded, plain_eager
 from ..spec import AttentionSpec
 from . import variants
@@ -85,10 +86,7 @@ def _aot_or_export() -> bool:
     if torch.compiler.is_exporting():
         return True
     try:
-        from torch._inductor import config as inductor_config
-        from torch._inductor.virtualized import V
-
-        return bool(inductor_config.cpp_wrapper) or bool(V.aot_compilation)
+        return _compat.aot_or_cpp_wrapper()
     except Exception:  # cannot tell: stay on the Triton path
         return True
 

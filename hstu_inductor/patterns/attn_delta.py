@@ -43,6 +43,7 @@ import torch
 from torch.utils._sympy.functions import FloorDiv
 
 from ..reference import hstu_mask
+from .. import _compat
 from . import attn_layout as lay
 from .attn_emit import describe_scale, emit_call, emit_scale, regroup, replace_output
 from .attn_find import (
@@ -232,9 +233,7 @@ def _prove(gm, S, pv, qsrc, qops, qfactor, k, offsets, Dd, R0, sources):
                               f"rewriting would keep it alive")
 
     # ---- numeric proof
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with past_pads(plan), unset_fake_temporarily(), torch.no_grad():
+    with past_pads(plan), _compat.no_fake_mode(), torch.no_grad():
         _numeric_proof(gm, plan, s_order, layouts, S_layout, scale_leaf, qsrc, R0, fo)
 
     # ---- inference only

@@ -30,6 +30,7 @@ import random
 import torch
 
 from ..spec import AttentionSpec
+from .. import _compat
 from . import attn_bias, attn_intervals, attn_tables, constants
 from . import attn_layout as lay
 from .attn_find import (
@@ -253,12 +254,10 @@ def numeric_proof(gm, plan: Plan, sub: Subgraphs) -> None:
     """Run the candidate's pads, score chain, unpad and row scales on fresh random probes (float64,
     real tensors) and compare with the reference; on success fill in the plan's constants (alpha,
     mask parameters, scale). Raises Decline (TooLarge above ``_MAX_PROBE_ELEMS`` per probe)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # probes are small: thread start-up costs more than it saves
     try:
-        with unset_fake_temporarily(), torch.no_grad():
+        with _compat.no_fake_mode(), torch.no_grad():
             _probe_all(gm, plan, sub)
     finally:
         torch.set_num_threads(threads)

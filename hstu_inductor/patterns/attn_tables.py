@@ -47,7 +47,7 @@ import operator
 
 import torch
 
-from .. import config
+from .. import _compat, config
 from ..reference.jagged import jagged_to_padded
 from ..reference.rab import buckets_from_bounds, time_bucket_bounds
 from . import attn_layout as lay
@@ -626,8 +626,7 @@ def _times(call, x, f):
 def _constant(gm, value, device, like):
     """A constant tensor in the graph: a buffer of ``gm`` read by ``get_attr`` (lifted by AOTAutograd
     like the module's own buffers; exported with the rewritten program)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily():
+    with _compat.no_fake_mode():
         real = value.to(device)
     k = 0
     while hasattr(gm, f"_hstu_ts_bounds_{k}"):

@@ -12,9 +12,10 @@ import logging
 import pathlib
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import _compat, config
+
+CustomGraphPass = _compat.custom_graph_pass_base()
 from ..report import RewriteReport, publish, stage
 from . import attn_tables, constants
 from .blocks import fuse_u_silu
@@ -97,9 +98,7 @@ class HSTULoweringAudit(CustomGraphPass):
 
 def _triton_kernel_name(node: torch.fx.Node) -> str:
     try:
-        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-
-        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        kernel = _compat.user_triton_kernel(node.kwargs["kernel_idx"])
         return getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "?")
     except Exception:  # naming is best effort; the count is what matters
         return "?"

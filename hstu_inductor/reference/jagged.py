@@ -76,7 +76,7 @@ def require(cond, message) -> None:
 
 def _is_concrete(t: torch.Tensor) -> bool:
     """True when ``t`` holds real data we may inspect (not fake/meta, not being traced)."""
-    from torch._subclasses.fake_tensor import is_fake
+    from .._compat import is_fake
 
     if torch.compiler.is_compiling() or is_fake(t) or t.device.type == "meta":
         return False

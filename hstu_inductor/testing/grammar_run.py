@@ -40,12 +40,13 @@ import time
 import traceback
 
 import torch
-from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
 from .. import _compat, backend  # noqa: F401  (backend: the hstu ops and the hstu_eager backend)
 from ..patterns import run_rewriters
 from ..report import collecting
 from .grammar import Sample, reference_output, sample
+
+_, FakeTensorMode, DynamicOutputShapeException = _compat.fake_tensor_types()
 
 MODES = {
     "fake_static": dict(B=128, N=4096, H=4, D=128),

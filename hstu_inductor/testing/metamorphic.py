@@ -60,10 +60,8 @@ from typing import Callable
 
 import torch
 from torch.fx import GraphModule
-from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorMode,
-                                           unset_fake_temporarily)
 
-from .. import backend
+from .. import _compat, backend
 from ..report import collecting
 from . import grammar_run
 from .grammar import Sample, sample
@@ -73,6 +71,8 @@ from .metamorphic_masks import mask_apply, mask_buffer
 from .metamorphic_reassoc import reassoc
 from .metamorphic_scale import scale_move
 from .metamorphic_split import split_forms
+
+FakeTensor, FakeTensorMode, _ = _compat.fake_tensor_types()
 
 # the names callers read through this module (tests, scripts/metamorphic_rates.py); ``_to_inplace``
 # rewrites one node in place, for a caller that builds a graph by hand
@@ -163,7 +163,7 @@ class _WithBuffers:
         mode = _caller_fake_mode(args)
         key = id(mode)
         if key not in self.values:
-            ctx = mode if mode is not None else unset_fake_temporarily()
+            ctx = mode if mode is not None else _compat.no_fake_mode()
             with ctx, torch.no_grad():
                 self.values[key] = [b() for b in self.buffers]
         return self.values[key]

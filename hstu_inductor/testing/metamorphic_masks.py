@@ -14,6 +14,8 @@ import random
 import torch
 from torch.fx import GraphModule, Node
 
+from .. import _compat
+
 from .metamorphic_graph import (
     _MUL, _apply, _concrete, _erase_dead, _fn, _inplace, _is_bool_tensor, _is_float_tensor, _is_number, _is_op, _live,
     _method, _name, _note, _replace, _subset, _tensor)
@@ -209,14 +211,7 @@ def mask_buffer(gm: GraphModule, rng: random.Random) -> int:
 
 
 def _buffer_grapharg(name: str, fake: torch.Tensor):
-    """What Dynamo records on a registered buffer's placeholder: a ``GraphArg`` whose source is
-    ``L['self']._buffers[name]`` (a backend tells module state from user inputs by it)."""
-    from torch._dynamo import source as S
-    from torch._dynamo.variables.builder import GraphArg
-
-    src = S.DictGetItemSource(S.UnspecializedParamBufferSource(S.UnspecializedNNModuleSource(
-        S.LocalSource("self", is_input=True)), "_buffers"), name)
-    return GraphArg(src, None, pass_arg_as_tensor=False, fake_tensor=fake, is_tensor=True)
+    return _compat.buffer_grapharg(name, fake)
 
 
 def _erase_constants(gm: GraphModule, n: Node, const: set) -> None:

@@ -321,7 +321,8 @@ def _probe(inputs: list, row_inputs: set, outputs: list, op_fn: Callable, rows,
     view shapes' leading dim). Symbolic L: its symbol is set to 6.
     """
     import sympy
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ... import _compat
 
     L_static = _static(rows)
     Lp = min(L_static, _PROBE_ROWS) if L_static is not None else _PROBE_ROWS
@@ -393,7 +394,7 @@ def _probe(inputs: list, row_inputs: set, outputs: list, op_fn: Callable, rows,
             env[n] = g.call_function(n.target, tuple(args), dict(kwargs))
         g.output(tuple(env[o] for o in outputs))
         gen = torch.Generator().manual_seed(20240917)
-        with unset_fake_temporarily(), torch.no_grad():
+        with _compat.no_fake_mode(), torch.no_grad():
             real = []
             for n in inputs:
                 if n is None:
