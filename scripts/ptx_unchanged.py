@@ -63,7 +63,7 @@ def _signature(fn, values):
 
 CONSTEXPR = {"MASK", "CAUSAL", "HAS_TGT", "HAS_CTX", "HAS_WINDOW", "HAS_MINFULL", "SCALE_MODE", "DELTA", "TMA", "FAST",
              "PREC", "EVEN_DQ", "EVEN_DV", "BLOCK_DQ", "BLOCK_DV", "BLOCK_M", "BLOCK_N", "SEQ_MAJOR", "Q_IN_REGS",
-             "DQ_MODE", "HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD", "TS_STEPS"}
+             "DQ_MODE", "HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD", "TS_STEPS", "TAB_HEADS"}
 
 
 def _values(kind, tma, dq_mode=0):
@@ -83,7 +83,7 @@ def _values(kind, tma, dq_mode=0):
              RAB_GRAD=False, TAB_GRAD=False,
              # the new arguments as the host passes them without rab/intervals
              RAB=None, IV=None, DRAB=None, TS=None, POSW=None, TSW=None, DPOS=None, DTS=None, NB=0, TAB_COPIES=1,
-             TSB=None, TSP=None, TS_STEPS=0)
+             TSB=None, TSP=None, TS_STEPS=0, TAB_HEADS=0)
     v.update({n: 0 for n in ("stride_rb", "stride_rh", "stride_ri", "stride_rj", "stride_ih", "stride_ir",
                              "stride_ic", "stride_gb", "stride_gh", "stride_gi", "stride_gj", "stride_pc",
                              "stride_tc")})
@@ -102,6 +102,8 @@ FEATURES = {
                    DTS=("fp32",), TAB_COPIES=32, stride_pc=2047, stride_tc=129, TAB_GRAD=True, TSB=("i64",),
                    TSP=("fp32",), TS_STEPS=8),
 }
+# both tables with a row per head ([H, 2N-1], [H, NB+1])
+FEATURES["tables_per_head"] = dict(FEATURES["tables"], TAB_HEADS=3)
 # --features=all: also each table alone (where registers go)
 FEATURES_SPLIT = {
     "plain": {},

@@ -154,9 +154,9 @@ def _tuned(kind: str, size: str, autotune: bool, atomic_dq: bool, zero_extra: tu
 _TUNERS: dict = {}  # for benchmark reports: name -> triton Autotuner
 
 
-_OPTIONAL_FLAGS = {"fwd": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS", "TS_STEPS"),
-                   "dq": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS", "TS_STEPS"),
-                   "dkdv": ("HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD", "TS_STEPS")}
+_OPTIONAL_FLAGS = {"fwd": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS", "TS_STEPS", "TAB_HEADS"),
+                   "dq": ("HAS_RAB", "HAS_IV", "HAS_POS", "HAS_TS", "TS_STEPS", "TAB_HEADS"),
+                   "dkdv": ("HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD", "TS_STEPS", "TAB_HEADS")}
 
 
 def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, kwargs: dict,
@@ -414,7 +414,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, spec
     _check_inputs(q, k, v, seq_offsets, num_targets)
     seq_offsets = address_source(seq_offsets)
     tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, q.shape[0], max_seq_len, ts_bounds,
-                                             seq_offsets.shape[0] - 1, spec.ts_next)
+                                             seq_offsets.shape[0] - 1, spec.ts_next, q.shape[1])
     rows, H, Dq = q.shape
     Dv = v.shape[2]
     B = seq_offsets.shape[0] - 1
@@ -495,7 +495,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     rab_grad = bool(rab_grad) and rab is not None
     rab_args = _rab_args(rab, B, H, max_seq_len)
     iv_args = _iv_args(intervals, H, L)
-    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds, B, spec.ts_next)
+    tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds, B, spec.ts_next, H)
     table_grad = bool(table_grad) and bool(tab_flags)
     if rab_grad or (table_grad and pos_w is not None):
         # d rab / d pos_w addresses follow the query block, whose range comes from num_targets (address_source)
@@ -520,11 +520,12 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
                      drab.stride(2), drab.stride(3))
         if _compat.size_hint(max_seq_len) > 46340:
             raise ValueError("hstu attention: rab gradients need max_seq_len <= 46340 (32-bit offsets)")
-    # table gradients: fp32 [copies, table] buffers reduced in the kernel, the copies summed here
+    # table gradients: fp32 [copies, table] buffers reduced in the kernel, the copies summed here (a per-head
+    # table: [copies, H, table], the kernel adds h times the table's length)
     copies = 1 if _interpret() else 32
-    dpos = torch.zeros((copies, 2 * max_seq_len - 1), device=q.device, dtype=torch.float32) \
+    dpos = torch.zeros((copies, *pos_w.shape), device=q.device, dtype=torch.float32) \
         if table_grad and pos_w is not None else None
-    dts = torch.zeros((copies, ts_w.shape[0]), device=q.device, dtype=torch.float32) \
+    dts = torch.zeros((copies, *ts_w.shape), device=q.device, dtype=torch.float32) \
         if table_grad and ts_w is not None else None
 
     def _ret(dq, dk, dv):

@@ -38,17 +38,21 @@ def _iv_args(intervals, H, rows):
             intervals.stride(2))
 
 
-def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=None, ts_next=True):
+def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=None, ts_next=True, heads=None):
     """((timestamps, pos_w, ts_w, num_buckets), (thresholds, guess plan), constexpr switches) for the table bias
     (docs/semantics.md), tensors contiguous (tiny or [L]); placeholders without tables. ``ts_next``: the
-    time gap is ``ts(next(i)) - ts(j)``, else ``ts(i) - ts(j)`` (``HAS_TS`` + 2)."""
+    time gap is ``ts(next(i)) - ts(j)``, else ``ts(i) - ts(j)`` (``HAS_TS`` + 2). A table may be shared by the
+    heads (1-D) or have one row per head (``[H, ...]``, ``heads`` = H): ``TAB_HEADS`` bit 1 (position), 2 (time)."""
     if ts_w is not None and timestamps is None:
         raise ValueError("hstu attention: ts_w needs timestamps")
-    if pos_w is not None and (pos_w.dim() != 1 or pos_w.shape[0] != 2 * max_seq_len - 1):
-        raise ValueError(f"hstu attention: pos_w must be [2N - 1] = [{2 * max_seq_len - 1}], got {tuple(pos_w.shape)}")
+    if pos_w is not None and (pos_w.dim() not in (1, 2) or pos_w.shape[-1] != 2 * max_seq_len - 1
+                              or (pos_w.dim() == 2 and pos_w.shape[0] != heads)):
+        raise ValueError(f"hstu attention: pos_w must be [2N - 1] or [H, 2N - 1] = [{heads}, {2 * max_seq_len - 1}], "
+                         f"got {tuple(pos_w.shape)}")
     if ts_w is not None:
-        if ts_w.dim() != 1 or ts_w.shape[0] < 1:
-            raise ValueError(f"hstu attention: ts_w must be [num_buckets + 1], got {tuple(ts_w.shape)}")
+        if ts_w.dim() not in (1, 2) or ts_w.shape[-1] < 1 or (ts_w.dim() == 2 and ts_w.shape[0] != heads):
+            raise ValueError(f"hstu attention: ts_w must be [num_buckets + 1] or [H, num_buckets + 1] (H={heads}), "
+                             f"got {tuple(ts_w.shape)}")
         dense = timestamps.dim() == 2
         shape_ok = tuple(timestamps.shape) == (batch, max_seq_len) if dense else \
             (timestamps.dim() == 1 and timestamps.shape[0] == rows)
@@ -64,16 +68,19 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=
     flags = {}
     if pos_w is not None:
         flags["HAS_POS"] = True
+    per_head = (1 if pos_w is not None and pos_w.dim() == 2 else 0) + (2 if ts_w is not None and ts_w.dim() == 2 else 0)
+    if per_head:
+        flags["TAB_HEADS"] = per_head
     bnd = (None, None)
     if ts_w is not None:
         flags["HAS_TS"] = (2 if timestamps.dim() == 2 else 1) + (0 if ts_next else 2)
-        nb = ts_w.shape[0] - 1
+        nb = ts_w.shape[-1] - 1
         bnd = _ts_bounds_and_plan(ts_bounds, nb, timestamps.dtype, timestamps.device)
         # binary-search steps of the fallback (2**steps > num_buckets); a symbolic size takes the most
         flags["TS_STEPS"] = int(nb).bit_length() if type(nb) is int else 31
     cont = lambda t: None if t is None else t.contiguous()  # noqa: E731
     return ((cont(timestamps) if ts_w is not None else None, cont(pos_w), cont(ts_w),
-             ts_w.shape[0] - 1 if ts_w is not None else 0), bnd, flags)
+             ts_w.shape[-1] - 1 if ts_w is not None else 0), bnd, flags)
 
 
 # The time bucket of the table bias is #{k : |dt| >= ts_bounds[k]} (reference.buckets_from_bounds). The

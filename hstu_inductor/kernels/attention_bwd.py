@@ -128,7 +128,7 @@ def _hstu_bwd_dkdv_kernel(
     SEQ_MAJOR: tl.constexpr = True,
     HAS_RAB: tl.constexpr = False, RAB_GRAD: tl.constexpr = 0, HAS_IV: tl.constexpr = False,
     HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False, TAB_GRAD: tl.constexpr = False,
-    TS_STEPS: tl.constexpr = 0,
+    TS_STEPS: tl.constexpr = 0, TAB_HEADS: tl.constexpr = 0,
 ):
     alpha, scale_const = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32)  # fp64 under Inductor
     ml = (ML0, ML1, ML2, ML3)  # the mask lengths (attention_jit reads them)
@@ -180,8 +180,12 @@ def _hstu_bwd_dkdv_kernel(
         slot = tl.program_id(0) % TAB_COPIES
         if HAS_POS:
             DPOS_s = DPOS + slot * stride_pc
+            if TAB_HEADS % 2 == 1:  # [copies, H, 2N-1]
+                DPOS_s += h.to(tl.int64) * (2 * MAX_N - 1)
         if HAS_TS:
             DTS_s = DTS + slot * stride_tc
+            if TAB_HEADS >= 2:  # [copies, H, NB+1]
+                DTS_s += h.to(tl.int64) * (NB + 1)
     if RAB_GRAD != 0 or TAB_GRAD:  # bias gradients leave the kernel scaled (rab-sized, no host pass)
         if SCALE_MODE == 0:
             gsc = scale_const
@@ -190,7 +194,7 @@ def _hstu_bwd_dkdv_kernel(
     if HAS_IV:
         IV_h = IV + h.to(tl.int64) * stride_ih + start * stride_ir
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS, TAB_HEADS)
     GB = (DRAB_b, stride_gi, stride_gj, DPOS_s, DTS_s, gsc, MAX_N)
     dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -286,6 +290,7 @@ def _hstu_bwd_dq_kernel(
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
     HAS_RAB: tl.constexpr = False, HAS_IV: tl.constexpr = False,
     HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False, TS_STEPS: tl.constexpr = 0,
+    TAB_HEADS: tl.constexpr = 0,
 ):
     # fp64 under Inductor: see the forward kernel
     alpha, scale_const, one = tl.cast(alpha, tl.float32), tl.cast(scale_const, tl.float32), tl.cast(one, tl.float32)
@@ -320,7 +325,7 @@ def _hstu_bwd_dq_kernel(
             do = (do.to(tl.float32) * one).to(q.dtype)
 
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS, TAB_HEADS)
     dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32)
     if HAS_IV:  # as in the forward kernel
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,

@@ -59,6 +59,7 @@ def _hstu_fwd_kernel(
     SEQ_MAJOR: tl.constexpr = True, Q_IN_REGS: tl.constexpr = False,
     HAS_RAB: tl.constexpr = False, HAS_IV: tl.constexpr = False,
     HAS_POS: tl.constexpr = False, HAS_TS: tl.constexpr = False, TS_STEPS: tl.constexpr = 0,
+    TAB_HEADS: tl.constexpr = 0,
 ):
     # Inductor passes Python float arguments of user kernels as fp64 (a direct launch passes fp32):
     # cast once so the score math and the fp32-only inline-asm silu see fp32 on both paths.
@@ -105,7 +106,7 @@ def _hstu_fwd_kernel(
         q = (q.to(tl.float32) * one).to(q.dtype)
 
     RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
-                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS)
+                        TSB, TSP, HAS_RAB, HAS_POS, HAS_TS, TAB_HEADS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_IV:  # intervals replace the HSTU mask: every visited tile is masked, invisible tiles skipped
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,

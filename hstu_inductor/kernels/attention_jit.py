@@ -105,12 +105,13 @@ def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
 
 @triton.jit
 def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj, TSB, TSP,
-                   HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr):
+                   HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_HEADS: tl.constexpr):
     """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
     (None) pointer (a tuple cannot hold None). ``HAS_TS``: 1 for jagged ``[L]`` timestamps, 2 for dense
     ``[B, N]``, each + 2 for the gap ``ts(i) - ts(j)`` instead of ``ts(next(i)) - ts(j)``. ``TSP``: the
     time-bucket guess (slope, offset, usable) fitted to the thresholds ``TSB``, then the thresholds in fp32
-    (:func:`_ts_plan`, :func:`_time_bucket`)."""
+    (:func:`_ts_plan`, :func:`_time_bucket`). ``TAB_HEADS``: bit 1, the position table has a row per head
+    (``[H, 2N-1]``); bit 2, the time table (``[H, NB+1]``)."""
     RAB_b = 0
     TS_b = 0
     POS_t = 0
@@ -124,12 +125,16 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride
         RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
     if HAS_POS:
         POS_t = POSW
+        if TAB_HEADS % 2 == 1:
+            POS_t = POSW + h.to(tl.int64) * (2 * MAX_N - 1)
     if HAS_TS:
         if HAS_TS % 2 == 0:  # dense [B, N] timestamps (a padded input): row b starts at b * N
             TS_b = TS + b.to(tl.int64) * MAX_N
         else:  # jagged [L]
             TS_b = TS + start
         TSW_t = TSW
+        if TAB_HEADS >= 2:
+            TSW_t = TSW + h.to(tl.int64) * (NB + 1)
         TSB_t = TSB
         TSP_t = TSP
         slope = tl.load(TSP)

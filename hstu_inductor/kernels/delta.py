@@ -120,7 +120,7 @@ def _hstu_delta_kernel(
     # TMA: descriptors ending at row n (zero-filled past it), as in the full forward
     K_src = _rows(K + start * stride_km + h * stride_kh, n, DQ, stride_km, BLOCK_N, BLOCK_DQ, TMA)
     V_src = _rows(V + start * stride_vm + h * stride_vh, n, DV, stride_vm, BLOCK_N, BLOCK_DV, TMA)
-    RB = _bias_operands(None, None, None, None, 0, MAX_N, b, h, start, 0, 0, 0, 0, None, None, False, False, False)
+    RB = _bias_operands(None, None, None, None, 0, MAX_N, b, h, start, 0, 0, 0, 0, None, None, False, False, False, 0)
 
     m_first = tl.maximum(pos0 + r0, 0)
     m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1

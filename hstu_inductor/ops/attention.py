@@ -208,9 +208,13 @@ def _reference_bwd(_, c: variants.AttentionCall):
     if need_rab:
         d_rab = got[4].sum_to_size(c.rab.shape).to(c.rab.dtype).contiguous()
     if need_tab:
-        d_pos, d_ts = relative_bias_backward(got[4], c.timestamps, c.seq_offsets, c.max_seq_len,
-                                             c.ts_w.shape[0] - 1 if c.ts_w is not None else None, c.ts_bounds,
-                                             c.spec.ts_next)
+        d_bias = got[4]
+        per_head = [t is not None and t.dim() == 2 for t in (c.pos_w, c.ts_w)]
+        if any(per_head):  # every head's own gradient (a bias broadcast over heads gave one shared row)
+            d_bias = d_bias.expand(d_bias.shape[0], c.q.shape[1], *d_bias.shape[2:])
+        d_pos, d_ts = relative_bias_backward(d_bias, c.timestamps, c.seq_offsets, c.max_seq_len,
+                                             c.ts_w.shape[-1] - 1 if c.ts_w is not None else None, c.ts_bounds,
+                                             c.spec.ts_next, *per_head)
         d_pos = d_pos.to(c.pos_w.dtype) if c.pos_w is not None else None
         d_ts = d_ts.to(c.ts_w.dtype) if c.ts_w is not None else None
     return dq, dk, dv, d_scale, d_rab, d_pos, d_ts

@@ -109,12 +109,15 @@ def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Ten
             require(t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64),
                     lambda: f"{name} must be floating point, got {t.dtype}")
             require(t.device == q.device, lambda: f"{name} is on {t.device}, q on {q.device}")
+    H = q.shape[1]
     if pos_w is not None:
-        require(pos_w.dim() == 1 and pos_w.shape[0] == 2 * max_seq_len - 1,
-                lambda: f"pos_w must be [2N - 1] = [{2 * max_seq_len - 1}], got {tuple(pos_w.shape)}")
+        require((pos_w.dim() == 1 or (pos_w.dim() == 2 and pos_w.shape[0] == H))
+                and pos_w.shape[-1] == 2 * max_seq_len - 1,
+                lambda: f"pos_w must be [2N - 1] = [{2 * max_seq_len - 1}] or [H, 2N - 1] = [{H}, {2 * max_seq_len - 1}], "
+                        f"got {tuple(pos_w.shape)}")
     if ts_w is not None:
-        require(ts_w.dim() == 1 and ts_w.shape[0] >= 1,
-                lambda: f"ts_w must be [num_buckets + 1], got {tuple(ts_w.shape)}")
+        require((ts_w.dim() == 1 or (ts_w.dim() == 2 and ts_w.shape[0] == H)) and ts_w.shape[-1] >= 1,
+                lambda: f"ts_w must be [num_buckets + 1] or [H, num_buckets + 1] (H={H}), got {tuple(ts_w.shape)}")
         B = seq_offsets.shape[0] - 1 if seq_offsets is not None else None
         require((timestamps.dim() == 1 and timestamps.shape[0] == L)
                 or (timestamps.dim() == 2 and B is not None and tuple(timestamps.shape) == (B, max_seq_len)),
@@ -125,7 +128,7 @@ def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Ten
         require(timestamps.device == q.device, lambda: f"timestamps is on {timestamps.device}, q on {q.device}")
     require(ts_bounds is None or ts_w is not None, lambda: "ts_bounds (time-bucket thresholds) are only used with ts_w")
     if ts_bounds is not None:
-        nb = ts_w.shape[0] - 1
+        nb = ts_w.shape[-1] - 1
         require(ts_bounds.dim() == 1 and ts_bounds.shape[0] == nb,
                 lambda: f"ts_bounds must be [num_buckets] = [len(ts_w) - 1] = [{nb}], got {tuple(ts_bounds.shape)}")
         want = timestamps.dtype if timestamps.is_floating_point() else torch.int64

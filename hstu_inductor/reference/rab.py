@@ -92,45 +92,54 @@ def relative_bias(timestamps: torch.Tensor | None, seq_offsets: torch.Tensor, ma
     """Dense ``[B, 1, N, N]`` rab of the original HSTU (``ts_next=False``: the gap ``ts(i) - ts(j)`` instead). ``timestamps: [L]`` (jagged, padded with 0) or ``[B, N]``
     (padded by the caller: ``ts(next(i))`` of a sequence's last row reads that padding),
     ``pos_w: [2N - 1]``, ``ts_w: [num_buckets + 1]``; ``next(i) = min(i + 1, N - 1)`` on padded positions.
+    A table with a row per head (``[H, 2N - 1]``, ``[H, num_buckets + 1]``) makes the bias ``[B, H, N, N]``.
     Either table may be None (its term is left out; ``timestamps`` is only needed with ``ts_w``).
     ``ts_bounds`` (:func:`time_bucket_bounds`, ``[num_buckets]``) replaces the default bucketisation."""
     N = max_seq_len
     if pos_w is None and ts_w is None:
         raise ValueError("relative_bias needs pos_w and/or ts_w")
-    if pos_w is not None and (pos_w.dim() != 1 or pos_w.shape[0] != 2 * N - 1):
-        raise ValueError(f"pos_w must be [2N - 1] = [{2 * N - 1}], got {tuple(pos_w.shape)}")
-    if ts_w is not None and (ts_w.dim() != 1 or ts_w.shape[0] < 1):
-        raise ValueError(f"ts_w must be [num_buckets + 1], got {tuple(ts_w.shape)}")
+    if pos_w is not None and (pos_w.dim() not in (1, 2) or pos_w.shape[-1] != 2 * N - 1):
+        raise ValueError(f"pos_w must be [2N - 1] = [{2 * N - 1}] or [H, 2N - 1], got {tuple(pos_w.shape)}")
+    if ts_w is not None and (ts_w.dim() not in (1, 2) or ts_w.shape[-1] < 1):
+        raise ValueError(f"ts_w must be [num_buckets + 1] or [H, num_buckets + 1], got {tuple(ts_w.shape)}")
     if ts_w is not None and timestamps is None:
         raise ValueError("ts_w needs timestamps")
     B = seq_offsets.shape[0] - 1
     dev = (pos_w if pos_w is not None else ts_w).device
-    if ts_bounds is not None and (ts_w is None or tuple(ts_bounds.shape) != (ts_w.shape[0] - 1,)):
+    if ts_bounds is not None and (ts_w is None or tuple(ts_bounds.shape) != (ts_w.shape[-1] - 1,)):
         raise ValueError(f"ts_bounds must be [num_buckets] = [len(ts_w) - 1] and needs ts_w, got "
                          f"{tuple(ts_bounds.shape)}")
     pos, bucket = _indices(timestamps if ts_w is not None else None, seq_offsets, N,
-                           ts_w.shape[0] - 1 if ts_w is not None else 0, dev, ts_bounds, ts_next)
+                           ts_w.shape[-1] - 1 if ts_w is not None else 0, dev, ts_bounds, ts_next)
+    # each term as [B|1, H|1, N, N]
+    pos_term = None if pos_w is None else (pos_w[:, pos] if pos_w.dim() == 2 else pos_w[pos].unsqueeze(0)).unsqueeze(0)
     if ts_w is None:
-        return pos_w[pos].expand(B, N, N).unsqueeze(1)
-    bias = ts_w[bucket]  # [B, N, N]
-    if pos_w is not None:
-        bias = pos_w[pos].unsqueeze(0) + bias
-    return bias.unsqueeze(1)
+        return pos_term.expand(B, *pos_term.shape[1:])
+    ts_term = ts_w[:, bucket].transpose(0, 1) if ts_w.dim() == 2 else ts_w[bucket].unsqueeze(1)
+    return ts_term if pos_term is None else pos_term + ts_term
 
 
 def relative_bias_backward(d_bias: torch.Tensor, timestamps: torch.Tensor | None, seq_offsets: torch.Tensor,
                            max_seq_len: int, num_buckets: int | None, ts_bounds: torch.Tensor | None = None,
-                           ts_next: bool = True):
-    """Closed-form gradients of :func:`relative_bias`: ``d_bias: [B, H|1, N, N]`` (summed over heads) ->
-    ``(d_pos_w [2N-1], d_ts_w [num_buckets+1] or None when num_buckets is None)``, in d_bias's dtype."""
+                           ts_next: bool = True, pos_per_head: bool = False, ts_per_head: bool = False):
+    """Closed-form gradients of :func:`relative_bias`: ``d_bias: [B, H|1, N, N]`` ->
+    ``(d_pos_w [2N-1], d_ts_w [num_buckets+1] or None when num_buckets is None)``, in d_bias's dtype, summed over
+    heads; a table with a row per head (``*_per_head``; ``d_bias`` then has all H heads) gets ``[H, ...]``."""
     N = max_seq_len
-    g = d_bias.sum(dim=1)  # [B, N, N]
+    H = d_bias.shape[1]
     pos, bucket = _indices(timestamps if num_buckets is not None else None, seq_offsets, N, num_buckets or 0,
                            d_bias.device, ts_bounds, ts_next)
-    d_pos = g.new_zeros(2 * N - 1).index_add_(0, pos.reshape(-1), g.sum(0).reshape(-1))
+    if pos_per_head:
+        d_pos = d_bias.new_zeros(H, 2 * N - 1).index_add_(1, pos.reshape(-1), d_bias.sum(0).reshape(H, -1))
+    else:
+        d_pos = d_bias.new_zeros(2 * N - 1).index_add_(0, pos.reshape(-1), d_bias.sum(dim=(0, 1)).reshape(-1))
     d_ts = None
     if num_buckets is not None:
-        d_ts = g.new_zeros(num_buckets + 1).index_add_(0, bucket.reshape(-1), g.reshape(-1))
+        if ts_per_head:
+            g = d_bias.transpose(0, 1).reshape(H, -1)
+            d_ts = d_bias.new_zeros(H, num_buckets + 1).index_add_(1, bucket.reshape(-1), g)
+        else:
+            d_ts = d_bias.new_zeros(num_buckets + 1).index_add_(0, bucket.reshape(-1), d_bias.sum(dim=1).reshape(-1))
     return d_pos, d_ts
 
 

@@ -299,6 +299,55 @@ def test_table_bias_own_row_gap(layout, poison, monkeypatch):
 
 
 @SMALL
+@pytest.mark.parametrize("heads", ["both", "pos", "ts"])
+def test_table_bias_per_head(heads, poison, monkeypatch):
+    """Tables with a row per head (``pos_w: [H, 2N-1]``, ``ts_w: [H, nb+1]``), alone or beside a shared one: the
+    kernels equal autograd through the fp64 reference, forward and every table gradient ([H, ...] per head),
+    with the atomic and the split backward."""
+    H = 3
+    q, k, v, dout, off = _batch(LENGTHS, H, 16, torch.float32, seed=71)
+    ts, pos_w, ts_w = _tables(LENGTHS, N, 15, torch.int64, "pos+ts", seed=72)
+    g = torch.Generator().manual_seed(73)
+    if heads in ("both", "pos"):
+        pos_w = torch.randn(H, 2 * N - 1, generator=g).to(DEV)
+    if heads in ("both", "ts"):
+        ts_w = torch.randn(H, 16, generator=g).to(DEV)
+    bias = relative_bias(ts, off, N, pos_w.double(), ts_w.double())
+    assert bias.shape[1] == H and not torch.equal(bias[:, 0], bias[:, 1])  # the heads differ
+    for algo in ("atomic", "split"):
+        monkeypatch.setattr(config, "bwd_algo", algo)
+        _check(q, k, v, dout, off, N, 0.25, tables=(ts, pos_w, ts_w), deterministic=algo == "split",
+               num_targets=torch.tensor([2, 0, 1, 3]))
+
+
+@SMALL
+def test_table_bias_per_head_op_and_errors():
+    """``hstu::attention`` with per-head tables (the reference path on CPU) has autograd's gradients of the dense
+    reference bias; a table with the wrong number of rows is refused by name."""
+    H = 2
+    q, k, v, dout, off = _batch(LENGTHS, H, 8, torch.float64, seed=81)
+    ts, _, _ = _tables(LENGTHS, N, 9, torch.int64, "ts", seed=82)
+    g = torch.Generator().manual_seed(83)
+    pos_w = torch.randn(H, 2 * N - 1, generator=g, dtype=torch.float64).requires_grad_()
+    ts_w = torch.randn(H, 10, generator=g, dtype=torch.float64).requires_grad_()
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = torch.ops.hstu.attention(*leaves, off, N, 0.3, timestamps=ts, pos_w=pos_w, ts_w=ts_w)
+    out.backward(dout)
+    ref_tabs = [t.detach().clone().requires_grad_() for t in (pos_w, ts_w)]
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = hstu_mha(N, 0.3, *ref_leaves, off, rab=relative_bias(ts, off, N, *ref_tabs), training=False)
+    ref.backward(dout)
+    assert rel_err(out, ref) < 1e-12
+    for got, want in zip([pos_w.grad, ts_w.grad] + [t.grad for t in leaves],
+                         [t.grad for t in ref_tabs] + [t.grad for t in ref_leaves]):
+        assert got.shape == want.shape and rel_err(got, want) < 1e-12
+    with pytest.raises((RuntimeError, ValueError), match="pos_w must be"):
+        torch.ops.hstu.attention(q, k, v, off, N, 0.3, pos_w=torch.randn(H + 1, 2 * N - 1, dtype=torch.float64))
+    with pytest.raises((RuntimeError, ValueError), match="ts_w must be"):
+        torch.ops.hstu.attention(q, k, v, off, N, 0.3, timestamps=ts, ts_w=torch.randn(H + 1, 10, dtype=torch.float64))
+
+
+@SMALL
 def test_table_bias_block_shapes(poison):
     """Other tile shapes for the diagonal (pos_w) reduction: BLOCK_M > BLOCK_N in the dK/dV kernel (two
     wrap-arounds) and BLOCK_M == BLOCK_N; a sequence of exactly N rows (next(N-1) = N-1)."""
@@ -557,3 +606,22 @@ def test_gpu_tables_ts_bounds(span, kind, poison, monkeypatch):
         monkeypatch.setattr(config, "bwd_algo", algo)
         _check(q, k, v, dout, off, n, 1.0 / D, tables=tables, ts_bounds=bounds, deterministic=algo == "split",
                num_targets=nt.to(DEV), max_attn_len=100, contextual_seq_len=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tma", [False, True])
+def test_gpu_tables_per_head(tma, poison, monkeypatch):
+    """Per-head tables on the GPU, bf16, N=512, H=4, 128 buckets: both tables [H, ...], forward and every
+    gradient, both backward algorithms."""
+    n, H, D, nb = 512, 4, 128, 128
+    q, k, v, dout, off, nt = _gpu_batch(tma, 8, n, H, D, torch.bfloat16, seed=17)
+    lengths = (off[1:] - off[:-1]).tolist()
+    ts, _, _ = _bounded_tables(lengths, n, nb, torch.int64, "wide", seed=18)
+    g = torch.Generator().manual_seed(19)
+    pos_w = (0.5 * torch.randn(H, 2 * n - 1, generator=g)).to(DEV)
+    ts_w = (0.5 * torch.randn(H, nb + 1, generator=g)).to(DEV)
+    for algo in ("split", "atomic"):
+        monkeypatch.setattr(config, "bwd_algo", algo)
+        _check(q, k, v, dout, off, n, 1.0 / D, tables=(ts, pos_w, ts_w), tma=tma, deterministic=algo == "split",
+               num_targets=nt.to(DEV))
