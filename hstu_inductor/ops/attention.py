@@ -1,10 +1,11 @@
 """``hstu::attention`` / ``hstu::attention_bwd`` / ``hstu::attention_bwd_rab`` / ``hstu::attention_bwd_bias`` /
 ``hstu::delta_attention``.
 
-All three are ``torch.library.triton_op`` s. Their bodies pick the implementation by device:
-CUDA runs the Triton kernels of :mod:`hstu_inductor.kernels` (launched through ``wrap_triton``),
-anything else - or CUDA with ``config.kernels == "off"`` / no usable Triton - runs the eager
-reference. Because they are triton_ops:
+All are ``torch.library.triton_op`` s. The mask options arrive as plain schema arguments and become one
+:class:`~hstu_inductor.spec.AttentionSpec` at the top of each body; the attention bodies then ask the variant
+registry (:mod:`.variants`) which implementation runs: on CUDA the Triton kernels of :mod:`hstu_inductor.kernels`
+(launched through ``wrap_triton``, with or without TMA descriptors), anywhere else - or with
+``config.kernels == "off"`` / no usable Triton - the eager reference. Because they are triton_ops:
 
 * ``torch.export`` keeps each as one node (what the export rewrite produces);
 * torch.compile / AOTInductor trace *into* the body, so Inductor's generated code (and an AOTI
