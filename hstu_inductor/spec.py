@@ -110,30 +110,30 @@ class AttentionSpec:
         fn.__signature__ = sig.replace(parameters=params)
         return fn
 
-    def reference_kwargs(self) -> dict:
-        """Keywords of ``reference.hstu_mha`` / ``hstu_mha_backward`` for this mask."""
-        return {"causal": self.causal, "max_attn_len": self.max_attn_len,
-                "contextual_seq_len": self.contextual_seq_len, "min_full_attn_seq_len": self.min_full_attn_seq_len}
-
     # ------------------------------------------------------------------ validation
 
-    @property
-    def has_mask_options(self) -> bool:
-        """Any of window, contextual prefix, full-attention tail set (possibly symbolic: then True)."""
-        return any(not (isinstance(x, int) and x == 0)
-                   for x in (self.max_attn_len, self.contextual_seq_len, self.min_full_attn_seq_len))
+    def _rules(self, has_targets: bool, has_intervals: bool) -> list:
+        """``(holds, message)`` for every rule of the options: the one list :meth:`validate` and :meth:`holds`
+        read."""
+        rules = [(getattr(self, name) >= 0, lambda name=name: f"{name} must be >= 0, got {getattr(self, name)}")
+                 for name in ("max_attn_len", "contextual_seq_len", "min_full_attn_seq_len")]
+        unset = not has_targets and self.max_attn_len == 0 and self.contextual_seq_len == 0 \
+            and self.min_full_attn_seq_len == 0
+        rules.append((self.causal or unset,
+                      lambda: f"causal=False means full attention inside each sequence; {_MASK_RESET}"))
+        if has_intervals:
+            rules.append((unset, lambda: f"intervals replace the causal/targets/window/contextual mask: {_MASK_RESET}"))
+        return rules
 
     def validate(self, *, has_targets: bool = False, has_intervals: bool = False) -> None:
         """Raise ValueError for options that mean nothing together."""
-        for name in ("max_attn_len", "contextual_seq_len", "min_full_attn_seq_len"):
-            val = getattr(self, name)
-            _require(val >= 0, lambda: f"{name} must be >= 0, got {val}")
-        unset = not has_targets and self.max_attn_len == 0 and self.contextual_seq_len == 0 \
-            and self.min_full_attn_seq_len == 0
-        _require(self.causal or unset,
-                 lambda: f"causal=False means full attention inside each sequence; {_MASK_RESET}")
-        if has_intervals:
-            _require(unset, lambda: f"intervals replace the causal/targets/window/contextual mask: {_MASK_RESET}")
+        for ok, message in self._rules(has_targets, has_intervals):
+            _require(ok, message)
+
+    def holds(self, *, has_targets: bool = False) -> bool:
+        """The rules of :meth:`validate` (without intervals) as one bool, for plain int options: the ops' eager
+        fast path, which skips the validators (and their ``torch._check`` calls) when everything holds."""
+        return all(ok for ok, _ in self._rules(has_targets, False))
 
     # ------------------------------------------------------------------ kernels
 

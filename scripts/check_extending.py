@@ -76,6 +76,8 @@ for spec in [AttentionSpec(sink_rows=3), AttentionSpec(True, 4, 0, 0, sink_rows=
     ref = hstu_mask(torch.tensor(lengths), N, nt, spec=spec)
     assert torch.equal(ref, loop_mask(lengths, N, spec, nt)), spec
 print("reference mask == element loop")
+assert not AttentionSpec(sink_rows=2).plain_causal  # the warp-specialised kernels step aside
+assert AttentionSpec(sink_rows=2).kernel_lengths()[3] == 2
 
 g = torch.Generator().manual_seed(0)
 off = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())

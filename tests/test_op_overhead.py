@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hstu_inductor.reference import validate_attention_inputs
+from hstu_inductor.spec import AttentionSpec
 
 from _helpers import offsets_from_lengths
 
@@ -53,16 +54,21 @@ CASES = {
 }
 
 
+def _plain_inputs_ok(a) -> bool:
+    *tensors_and_n, w, c, f, causal = a.values()
+    return ops_attention._plain_inputs_ok(*tensors_and_n, AttentionSpec(causal, w, c, f))
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_plain_inputs_ok_agrees_with_the_validators(name):
     a = _args(**CASES[name])
-    assert ops_attention._plain_inputs_ok(*a.values()) == _validators_accept(a)
+    assert _plain_inputs_ok(a) == _validators_accept(a)
 
 
 def test_plain_inputs_ok_steps_aside_under_fake_tensors():
     with FakeTensorMode():
         a = _args()
-    assert not ops_attention._plain_inputs_ok(*a.values())
+    assert not _plain_inputs_ok(a)
 
 
 def test_fused_check_only_for_plain_unit_stride_metadata():

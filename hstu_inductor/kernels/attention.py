@@ -295,10 +295,9 @@ def _use_tma(tma, device, tensors, max_seq_len=None) -> bool:
     return ok_dev and all(_tma_ok(t) for t in tensors)  # layout checks (and their guards) only when usable
 
 
-def uses_tma(tma, device, tensors, max_seq_len=None) -> bool:
-    """Whether a launch with ``tma`` (True / False / None: where it pays) on ``tensors`` uses descriptors;
-    raises when ``tma=True`` cannot be honoured."""
-    return _use_tma(tma, device, tensors, max_seq_len)
+# Whether a launch with ``tma`` (True / False / None: where it pays) on ``tensors`` uses descriptors (raises when
+# ``tma=True`` cannot be honoured): the public name the ops' variant scopes ask.
+uses_tma = _use_tma
 
 
 def _alloc_fn(size: int, alignment: int, stream):

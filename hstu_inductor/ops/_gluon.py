@@ -210,7 +210,7 @@ def _fwd_scope(c: variants.AttentionCall) -> Optional[str]:
 
 
 def _bwd_scope(c: variants.AttentionCall) -> Optional[str]:
-    if c.need_scale_grad or _kernels.kernels_for(c.q) is None:
+    if _kernels.kernels_for(c.q) is None:
         return None
     return route_bwd(c.grad, c.q, c.k, c.v, c.num_targets, c.attn_scale, c.spec, c.has_bias, c.need_scale_grad)
 

@@ -68,7 +68,7 @@ def _delta_kernels_for(t: Tensor):
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, w, c, f, causal) -> bool:
+def _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, spec: AttentionSpec) -> bool:
     """True when a plain eager call passes every shape/dtype/device check of ``validate_attention_inputs``
     (no rab/intervals), as plain Python compares: its ~25 ``torch._check`` calls cost ~20 us of host time
     per call. False (or traced, where the checks must stay ``torch._check``): the validators
@@ -79,8 +79,7 @@ def _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale,
     return (len(qs) == len(ks) == len(vs) == 3 and qs == ks and ks[:2] == vs[:2]
             and q.dtype == k.dtype == v.dtype and q.is_floating_point()
             and q.device == k.device == v.device == seq_offsets.device
-            and max_seq_len >= 1 and w >= 0 and c >= 0 and f >= 0
-            and (causal or (num_targets is None and w == 0 and c == 0 and f == 0))
+            and max_seq_len >= 1 and spec.holds(has_targets=num_targets is not None)
             and seq_offsets.dim() == 1 and seq_offsets.dtype in _INDEX_DTYPES and seq_offsets.shape[0] >= 1
             and (num_targets is None or (num_targets.dim() == 1 and num_targets.shape[0] == seq_offsets.shape[0] - 1
                                          and not num_targets.is_floating_point()))
@@ -104,8 +103,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len:
                                       **added)
     call = variants.AttentionCall(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, spec, rab,
                                   intervals, timestamps, pos_w, ts_w, ts_bounds)
-    if call.has_bias or not _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale,
-                                             max_attn_len, contextual_seq_len, min_full_attn_seq_len, causal):
+    if call.has_bias or not _plain_inputs_ok(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, spec):
         validate_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets, attn_scale, max_attn_len,
                                   contextual_seq_len, min_full_attn_seq_len, causal=causal, check_values=False)
         validate_rab_intervals(q, seq_offsets, max_seq_len, rab, intervals, num_targets, max_attn_len,
@@ -180,8 +178,7 @@ def _triton_bwd(tma: bool):
     def run(kern, c: variants.AttentionCall):
         """``(dq, dk, dv, d_scale, d_rab, d_pos, d_ts)``, None for gradients not computed."""
         extra = _bias_kw(c)
-        need_rab = c.need_rab_grad and c.rab is not None
-        need_tab = c.need_table_grad and c.has_tables
+        need_rab, need_tab = c.rab_grad_wanted, c.table_grad_wanted
         if c.rab is not None or c.intervals is not None:
             extra["rab_grad"] = need_rab
         if need_tab:
@@ -197,8 +194,7 @@ def _triton_bwd(tma: bool):
 
 
 def _reference_bwd(_, c: variants.AttentionCall):
-    need_rab = c.need_rab_grad and c.rab is not None
-    need_tab = c.need_table_grad and c.has_tables
+    need_rab, need_tab = c.rab_grad_wanted, c.table_grad_wanted
     got = hstu_mha_backward(c.grad, c.max_seq_len, c.alpha, c.q, c.k, c.v, c.seq_offsets,
                             num_targets=c.num_targets, attn_scale=c.attn_scale, need_scale_grad=c.need_scale_grad,
                             rab=_dense_bias(c), intervals=c.intervals, need_rab_grad=need_rab or need_tab,

@@ -60,6 +60,14 @@ class AttentionCall:
         return self.pos_w is not None or self.ts_w is not None
 
     @property
+    def rab_grad_wanted(self) -> bool:
+        return self.need_rab_grad and self.rab is not None
+
+    @property
+    def table_grad_wanted(self) -> bool:
+        return self.need_table_grad and self.has_tables
+
+    @property
     def has_bias(self) -> bool:
         """Any bias or mask input beyond the spec: rab, intervals or table bias."""
         return self.rab is not None or self.intervals is not None or self.has_tables or self.ts_bounds is not None

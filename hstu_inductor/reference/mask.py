@@ -21,17 +21,10 @@ def position_ids(
     ``positions`` broadcasts against ``lengths[:, None]``. The contextual prefix collapses to id 0,
     and all targets share the id ``M`` (the end of history ids).
     """
-    c = contextual_seq_len
-    n = lengths.unsqueeze(-1)
-    if c > 0:
-        ids = torch.clamp(positions - c + 1, min=0)
-        end = n - c + 1
-    else:
-        ids = positions.expand(lengths.shape[0], positions.shape[-1]) if positions.dim() == 1 else positions
-        end = n
-    if num_targets is not None:
-        end = end - num_targets.to(lengths.dtype).unsqueeze(-1)
-        ids = torch.minimum(ids, end)
+    t = None if num_targets is None else num_targets.to(lengths.dtype).unsqueeze(-1)
+    ids, end = _ids(positions, lengths.unsqueeze(-1), t, contextual_seq_len, TORCH)
+    if contextual_seq_len <= 0 and ids.dim() == 1:
+        ids = ids.expand(lengths.shape[0], ids.shape[-1])
     return ids, end
 
 
@@ -63,6 +56,18 @@ def _sel(cond, then, other, ops):
     return ops.where(cond, then, other)
 
 
+def _ids(p, n, t, c, ops):
+    """``(pi(p), end)``: raw positions ``p`` to ids (the contextual prefix ``[0, c)`` collapses to id 0, targets
+    share the id ``end``) of a sequence of length ``n`` with ``t`` targets (None: none)."""
+    has_c = c > 0
+    pi = _sel(has_c, ops.maximum(p - c + 1, 0), p, ops)
+    end = _sel(has_c, n - c + 1, n, ops)
+    if t is not None:
+        end = end - t
+        pi = ops.minimum(pi, end)
+    return pi, end
+
+
 def hstu_valid(i, j, n, t, spec: AttentionSpec, ops=TORCH):
     """``valid(i, j)`` of HSTU_SEMANTICS.md for raw positions ``i`` (query) and ``j`` (key) of one sequence of
     length ``n`` with ``t`` targets (None: no targets); ``0 <= i, j < n`` is the caller's (see :func:`hstu_mask`).
@@ -74,12 +79,8 @@ def hstu_valid(i, j, n, t, spec: AttentionSpec, ops=TORCH):
     if causal is False:
         return ops.true
     has_c = c > 0
-    pi_i = _sel(has_c, ops.maximum(i - c + 1, 0), i, ops)
-    pi_j = _sel(has_c, ops.maximum(j - c + 1, 0), j, ops)
-    end = _sel(has_c, n - c + 1, n, ops)
-    if t is not None:
-        end = end - t
-        pi_i, pi_j = ops.minimum(pi_i, end), ops.minimum(pi_j, end)
+    pi_i, end = _ids(i, n, t, c, ops)
+    pi_j, _ = _ids(j, n, t, c, ops)
     d = pi_i - pi_j
     valid = ops.eq(i, j) | (d > 0)
     has_w = w > 0
