@@ -73,6 +73,11 @@ def _profile(step, title):
         torch.cuda.synchronize()
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
     log.info("%s: %s", title, "; ".join(f"{e.key[:48]} {e.device_time_total / 5e3:.3f} ms" for e in rows))
+    from hstu_inductor.kernels import attention as K
+    for name, tuner in K._TUNERS.items():  # the configs the kernels ran with (tuned or default)
+        best = getattr(tuner, "best_config", None)
+        if best is not None:
+            log.info("%s: %s %s", title, name, best)
 
 
 def main():

@@ -100,7 +100,7 @@ FEATURES = {
                           stride_rj=1, stride_gh=1048576, stride_gi=1024, stride_gj=1),
     "tables": dict(TS=("i64",), POSW=("fp32",), TSW=("fp32",), NB=128, HAS_POS=True, HAS_TS=True, DPOS=("fp32",),
                    DTS=("fp32",), TAB_COPIES=32, stride_pc=2047, stride_tc=129, TAB_GRAD=True, TSB=("i64",),
-                   TSP=("fp32",), TS_STEPS=8),
+                   TSP=("i32",), TS_STEPS=8),
 }
 # both tables with a row per head ([H, 2N-1], [H, NB+1])
 FEATURES["tables_per_head"] = dict(FEATURES["tables"], TAB_HEADS=3)
@@ -109,11 +109,11 @@ FEATURES_SPLIT = {
     "plain": {},
     "pos_only": dict(POSW=("fp32",), HAS_POS=True, DPOS=("fp32",), TAB_COPIES=32, stride_pc=2047, TAB_GRAD=True),
     "ts_only": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=True, DTS=("fp32",), TAB_COPIES=32, stride_tc=129,
-                    TAB_GRAD=True, TSB=("i64",), TSP=("fp32",), TS_STEPS=8),
-    "ts_nograd": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=True, TSB=("i64",), TSP=("fp32",), TS_STEPS=8),
+                    TAB_GRAD=True, TSB=("i64",), TSP=("i32",), TS_STEPS=8),
+    "ts_nograd": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=True, TSB=("i64",), TSP=("i32",), TS_STEPS=8),
     # the gap ts(i) - ts(j) (jagged: HAS_TS 3; padded [B, N]: 4)
     "ts_own_row": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=3, DTS=("fp32",), TAB_COPIES=32, stride_tc=129,
-                       TAB_GRAD=True, TSB=("i64",), TSP=("fp32",), TS_STEPS=8),
+                       TAB_GRAD=True, TSB=("i64",), TSP=("i32",), TS_STEPS=8),
 }
 
 

@@ -71,6 +71,8 @@ __all__ = [
 # Not used here; tests reach them through this module (a @triton.jit probe calls K._time_bucket on the
 # plan K._ts_bounds_and_plan makes).
 _time_bucket = _jit._time_bucket
+_gap32 = _jit._gap32
+_seq_plan = _jit._seq_plan
 _ts_bounds_and_plan = _bias_args._ts_bounds_and_plan
 
 

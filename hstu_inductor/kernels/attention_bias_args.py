@@ -87,7 +87,8 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=
 # kernels guess it from a line in log2(|dt|) fitted to the thresholds and correct the guess by one bucket
 # either way (_time_bucket); _ts_plan fits the line and checks it, all with torch ops on the thresholds'
 # device: no host sync, so it traces (torch.compile, AOTI) and captures (CUDA graphs).
-_GUESS_MARGIN = 1.0 / 64  # slack (in buckets) for the device's fp32 log2 and fp32 FMA rounding
+_GUESS_MARGIN = 1.0 / 64
+_GAP32_TOP = 2 ** 29  # thresholds below it: the kernels' 32-bit gap path (attention_jit._time_bucket)  # slack (in buckets) for the device's fp32 log2 and fp32 FMA rounding
 _DEFAULT_BOUNDS: dict = {}  # (num_buckets, gap dtype, device) -> (thresholds, plan): eager calls only
 _USER_PLANS: dict = {}  # id(ts_bounds) -> (ts_bounds, version, plan); the tensor is held so its id stays its own
 
@@ -98,10 +99,13 @@ def _gap_top(dtype):
 
 
 def _ts_plan(bounds: torch.Tensor, nb: int, gap_dtype) -> torch.Tensor:
-    """fp32 ``[slope, offset, fits, *fp32(bounds), nan]`` for :func:`_bucket_guess`: the guess ``floor(slope *
-    log2(fp32(x)) + offset)`` fitted by least squares to ``(log2 bounds[k-1], k)``, centred, and ``fits = 1``
-    when at both ends of every bucket (each threshold and the gap just below it, 0 and the largest gap) it is
-    the true bucket or the one below, by a margin; as the guess is monotone in x, it then is everywhere."""
+    """int32 ``[bits of fp32 (slope, offset, fits, *bounds, nan), *ceil(bounds), INT32_MAX, ok32]`` for
+    ``attention_jit._time_bucket`` (fp32 values by their bits: one buffer, copied bit-exactly where an fp32
+    copy could flush the small integers' subnormal patterns). The guess ``floor(slope * log2(fp32(x)) +
+    offset)`` is fitted by least squares to ``(log2 bounds[k-1], k)``, centred, and ``fits = 1`` when at both
+    ends of every bucket (each threshold and the gap just below it, 0 and the largest gap) it is the true
+    bucket or the one below, by a margin; as the guess is monotone in x, it then is everywhere. ``ok32``:
+    what the 32-bit gap path may answer (``attention_jit._gap32``)."""
     dev, top = bounds.device, _gap_top(gap_dtype)
     f64 = torch.float64
     k = torch.arange(1, nb + 1, device=dev, dtype=f64)
@@ -137,8 +141,16 @@ def _ts_plan(bounds: torch.Tensor, nb: int, gap_dtype) -> torch.Tensor:
 
     u = lp * slope + off
     fits = ((guess(u - _GUESS_MARGIN) >= truth - 1) & (guess(u + _GUESS_MARGIN) <= truth)).all() & (slope >= 0)
-    return torch.cat([torch.stack([slope, off, fits.to(f64)]).to(torch.float32), bounds.to(torch.float32),
+    head = torch.cat([torch.stack([slope, off, fits.to(f64)]).to(torch.float32), bounds.to(torch.float32),
                       torch.full((1,), torch.nan, dtype=torch.float32, device=dev)])
+    # the integer thresholds of the 32-bit path: x >= b <=> x >= ceil(b) for an integer gap x (its gaps are
+    # below 2**31: a larger threshold is never reached, as INT32_MAX). ok32: 1 when the guess fits, 2 when
+    # also every threshold is below 2**29 (_GAP32_TOP), so that a gap clamped at 2**30 lands in the last bucket
+    thr = torch.ceil(bounds.to(f64)) if bounds.dtype.is_floating_point else bounds.to(f64)
+    ok32 = fits.to(torch.int32) * (1 + (thr < _GAP32_TOP).all().to(torch.int32))
+    thr32 = torch.cat([thr.clamp(min=0, max=2 ** 31 - 1).to(torch.int32),
+                       torch.full((1,), 2 ** 31 - 1, dtype=torch.int32, device=dev), ok32.reshape(1)])
+    return torch.cat([head.view(torch.int32), thr32])
 
 
 def _ts_bounds_and_plan(ts_bounds, nb, ts_dtype, device):

@@ -20,7 +20,7 @@ from .attention_jit import (_CONTEXT, _bias_grad, _bias_operands, _bwd_query_ran
 
 @triton.jit
 def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
-                   stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, ml, alpha, DQ, DV,
+                   stride_dqm, stride_sm, start_m, offs_n, n0, pi_n, n, M, ml, alpha, DQ, DV,
                    RB, GB, x0, x1, x2,
                    MASKED: tl.constexpr, MASK: tl.constexpr, SCALE_MODE: tl.constexpr,
                    TMA: tl.constexpr, DQ_MODE: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
@@ -38,7 +38,8 @@ def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm,
         do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
     s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
     dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-    s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
+    s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], start_m, n0, n, HAS_RAB, HAS_POS, HAS_TS,
+                           TS_STEPS)
     if FAST == 2:
         p16, ds16 = _silu_bwd_packed((s_t * (0.5 * a)).to(q.dtype), dp_t.to(q.dtype))
     else:
@@ -99,12 +100,12 @@ def _bwd_dkdv_inner(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm
             row_hit = (x0 > n0) | (tl.maximum(x1, n0) < tl.minimum(x2, key_hi))
             if tl.max(row_hit.to(tl.int32), axis=0) > 0:
                 dk, dv, hist = _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd,
-                                        stride_dom, stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, ml, alpha, DQ, DV, RB, GB, x0, x1, x2, MASKED, MASK, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
+                                        stride_dom, stride_dod, stride_dqm, stride_sm, start_m, offs_n, n0, pi_n, n, M, ml, alpha, DQ, DV, RB, GB, x0, x1, x2, MASKED, MASK, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
                                         EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS,
                                         HAS_TS, TAB_GRAD, TS_STEPS)
         else:
             dk, dv, hist = _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
-                                    stride_dod, stride_dqm, stride_sm, start_m, offs_n, pi_n, n, M, ml, alpha,
+                                    stride_dod, stride_dqm, stride_sm, start_m, offs_n, n0, pi_n, n, M, ml, alpha,
                                     DQ, DV, RB, GB,
                                     offs_m0, offs_m0, offs_m0, MASKED, MASK, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                     BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD, TS_STEPS)
@@ -193,7 +194,7 @@ def _hstu_bwd_dkdv_kernel(
             gsc = tl.load(ATTN_SCALE).to(tl.float32)
     if HAS_IV:
         IV_h = IV + h.to(tl.int64) * stride_ih + start * stride_ir
-    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, n, stride_rb, stride_rh, stride_ri, stride_rj,
                         TSB, TSP, HAS_RAB, HAS_POS, HAS_TS, TAB_HEADS)
     GB = (DRAB_b, stride_gi, stride_gj, DPOS_s, DTS_s, gsc, MAX_N)
     dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
@@ -248,7 +249,7 @@ def _hstu_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
+def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, i0, pi_m,
                   n, M, ml, alpha, DQ, DV, RB, x0, x1, x2,
                   MASKED: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                   PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -262,7 +263,8 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], i0, start_n, n, HAS_RAB, HAS_POS, HAS_TS,
+                             TS_STEPS)
         if FAST == 2:
             _, ds = _silu_bwd_packed((s * (0.5 * a)).to(k.dtype), dp.to(k.dtype))
         else:
@@ -324,33 +326,33 @@ def _hstu_bwd_dq_kernel(
         if SCALE_MODE != 2:
             do = (do.to(tl.float32) * one).to(q.dtype)
 
-    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, n, stride_rb, stride_rh, stride_ri, stride_rj,
                         TSB, TSP, HAS_RAB, HAS_POS, HAS_TS, TAB_HEADS)
     dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32)
     if HAS_IV:  # as in the forward kernel
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
                               stride_ir, stride_ic)
         a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
-        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, offs_r, pi_m,
+        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, offs_r, r0, pi_m,
                            n, M, ml, alpha, DQ, DV, RB, x0, x1, x2, True,
                            MASK, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                            BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
-        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, offs_r, pi_m,
+        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, offs_r, r0, pi_m,
                            n, M, ml, alpha, DQ, DV, RB, x0, x1, x2, True,
                            MASK, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                            BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
     else:
         m_last = tl.minimum(r0 + BLOCK_M, n) - 1
         a, fs, fe, e = _fwd_key_range(r0, m_last, n, M, ml, BLOCK_N, MASK)
-        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, offs_r, pi_m,
+        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, offs_r, r0, pi_m,
                            n, M, ml, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, True, MASK, TMA, FAST, PREC, EVEN_DQ,
                            EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
-        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, offs_r, pi_m,
+        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, offs_r, r0, pi_m,
                            n, M, ml, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, False, MASK, TMA, FAST, PREC, EVEN_DQ,
                            EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
-        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, offs_r, pi_m,
+        dq = _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, offs_r, r0, pi_m,
                            n, M, ml, alpha, DQ, DV, RB, offs_r, offs_r,
                            offs_r, True, MASK, TMA, FAST, PREC, EVEN_DQ,
                            EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)

@@ -19,7 +19,7 @@ from .attention_jit import (_bias_operands, _fwd_key_range, _id_end, _ids, _iv_k
 
 
 @triton.jit
-def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, pi_m,
+def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, lo, hi, pos_m, i0, pi_m,
                n, M, ml, alpha, DQ, DV, RB, x0, x1, x2,
                MASKED: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr, FAST: tl.constexpr,
                PREC: tl.constexpr, EVEN_DQ: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -32,7 +32,8 @@ def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
         k = _load_rows(K_src, start_n, n, DQ, stride_km, stride_kd, MASKED, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], i0, start_n, n, HAS_RAB, HAS_POS, HAS_TS,
+                             TS_STEPS)
         if FAST == 2:
             p = _silu_packed((s * (0.5 * a)).to(v.dtype))
         else:
@@ -105,18 +106,18 @@ def _hstu_fwd_kernel(
         # from shared memory (with Q in shared memory, BLOCK_N <= 64 tiles are shared-memory bound).
         q = (q.to(tl.float32) * one).to(q.dtype)
 
-    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj,
+    RB = _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, n, stride_rb, stride_rh, stride_ri, stride_rj,
                         TSB, TSP, HAS_RAB, HAS_POS, HAS_TS, TAB_HEADS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_IV:  # intervals replace the HSTU mask: every visited tile is masked, invisible tiles skipped
         x0, x1, x2 = _iv_rows(IV + h.to(tl.int64) * stride_ih, start + r0, tl.arange(0, BLOCK_M), n - r0,
                               stride_ir, stride_ic)
         a, b2, e = _iv_key_range(x0, x1, x2, n, BLOCK_N)
-        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, pos_m, pi_m,
+        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, 0, a, pos_m, pos0 + r0, pi_m,
                          n, M, ml, alpha, DQ, DV, RB, x0, x1, x2, True,
                          MASK, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                          BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
-        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, pos_m, pi_m,
+        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, b2, e, pos_m, pos0 + r0, pi_m,
                          n, M, ml, alpha, DQ, DV, RB, x0, x1, x2, True,
                          MASK, TMA, FAST, PREC, EVEN_DQ, EVEN_DV,
                          BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
@@ -124,15 +125,15 @@ def _hstu_fwd_kernel(
         m_first = tl.maximum(pos0 + r0, 0)
         m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
         a, fs, fe, e = _fwd_key_range(m_first, m_last, n, M, ml, BLOCK_N, MASK)
-        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, pos_m, pi_m,
+        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, a, fs, pos_m, pos0 + r0, pi_m,
                          n, M, ml, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, True, MASK, TMA, FAST, PREC, EVEN_DQ,
                          EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
-        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, pos_m, pi_m,
+        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fs, fe, pos_m, pos0 + r0, pi_m,
                          n, M, ml, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, False, MASK, TMA, FAST, PREC, EVEN_DQ,
                          EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)
-        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, pos_m, pi_m,
+        acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd, fe, e, pos_m, pos0 + r0, pi_m,
                          n, M, ml, alpha, DQ, DV, RB, pos_m, pos_m,
                          pos_m, True, MASK, TMA, FAST, PREC, EVEN_DQ,
                          EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, HAS_RAB, HAS_IV, HAS_POS, HAS_TS, TS_STEPS)

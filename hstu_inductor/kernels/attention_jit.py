@@ -19,6 +19,8 @@ jit function's callees among the globals of the caller's module.
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -33,6 +35,8 @@ _TARGETS: tl.constexpr = tl.constexpr(KernelMask.TARGETS)
 _CONTEXT: tl.constexpr = tl.constexpr(KernelMask.CONTEXT)
 _WINDOW: tl.constexpr = tl.constexpr(KernelMask.WINDOW)
 _MINFULL: tl.constexpr = tl.constexpr(KernelMask.MINFULL)
+# inline PTX does not run in the Triton interpreter (CPU tests): its helpers take the plain tl op there
+_INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +108,7 @@ def _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj):
 
 
 @triton.jit
-def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride_rh, stride_ri, stride_rj, TSB, TSP,
+def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, n, stride_rb, stride_rh, stride_ri, stride_rj, TSB, TSP,
                    HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_HEADS: tl.constexpr):
     """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
     (None) pointer (a tuple cannot hold None). ``HAS_TS``: 1 for jagged ``[L]`` timestamps, 2 for dense
@@ -121,6 +125,7 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride
     slope = 0.0
     off = 0.0
     fits = 0.0
+    seq = (0, False, 0, False)
     if HAS_RAB:
         RAB_b = RAB + b.to(tl.int64) * stride_rb + h.to(tl.int64) * stride_rh
     if HAS_POS:
@@ -137,10 +142,60 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, stride_rb, stride
             TSW_t = TSW + h.to(tl.int64) * (NB + 1)
         TSB_t = TSB
         TSP_t = TSP
-        slope = tl.load(TSP)
-        off = tl.load(TSP + 1)
-        fits = tl.load(TSP + 2)
-    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N, TSB_t, TSP_t, slope, off, fits)
+        slope = tl.load(TSP).to(tl.float32, bitcast=True)
+        off = tl.load(TSP + 1).to(tl.float32, bitcast=True)
+        fits = tl.load(TSP + 2).to(tl.float32, bitcast=True)
+        if TS.dtype.element_ty == tl.int64 or TS.dtype.element_ty == tl.float64:
+            seq = _seq_plan(TS_b, n, MAX_N, HAS_TS)
+    return (RAB_b, stride_ri, stride_rj, TS_b, POS_t, TSW_t, NB, MAX_N, TSB_t, TSP_t, slope, off, fits, seq)
+
+
+@triton.jit
+def _seq_plan(TS_b, n, MAX_N, HAS_TS: tl.constexpr):
+    """(base, ok, pad, pad_far) of one sequence's int64 / fp64 timestamps, once per program: ``ok`` when every
+    one is integral and within 2**29 of the first (``base``), so that every gap of the sequence is exact in
+    int32 from ``t - base`` (:func:`_time_bucket`'s fast path, with no per-tile check). ``pad``: the timestamp
+    next(n - 1) reads past the sequence's end (0 jagged, the user's padding when dense), ``pad_far`` when it is
+    not itself within 2**29 of base (then the tile holding that row buckets it on its own)."""
+    base = tl.load(TS_b, mask=n > 0, other=0)
+    bad = n * 0
+    for c0 in range(0, n, 256):
+        idx = c0 + tl.arange(0, 256)
+        d = tl.load(TS_b + idx, mask=idx < n, other=0) - base
+        far = (d < -536870912) | (d > 536870912)
+        if d.dtype == tl.float64:
+            far = far | (d != tl.floor(d))
+        bad = tl.maximum(bad, tl.max(tl.where(idx < n, far, False).to(tl.int32)))
+    if HAS_TS % 2 == 0:  # dense [B, N]: next(n - 1) reads ts[b, n]
+        pad = tl.load(TS_b + tl.minimum(n, MAX_N - 1))
+    else:
+        pad = (n * 0).to(TS_b.dtype.element_ty)
+    dp = pad - base
+    pad_far = (dp < -536870912) | (dp > 536870912)
+    if dp.dtype == tl.float64:
+        pad_far = pad_far | (dp != tl.floor(dp))
+    return base, bad == 0, pad, pad_far
+
+
+@triton.jit
+def _table_load(ptrs):
+    """Gather from a small read-only table (bias tables, thresholds), every address in bounds: a plain
+    read-only load per element on a GPU. A ``tl.load`` here is taken by Triton's software pipeliner as a
+    4-byte ``cp.async`` per element through shared memory, slower than an L1 hit."""
+    if _INTERPRET:
+        return tl.load(ptrs)
+    else:
+        ty: tl.constexpr = ptrs.dtype.element_ty
+        addr = ptrs.to(tl.int64, bitcast=True)
+        if ty == tl.float32:
+            return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=f,l", [addr], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        elif ty == tl.int32:
+            return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [addr], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:  # fp16 / bf16 tables: 16 bits, then their type
+            return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [addr], dtype=tl.int16,
+                                             is_pure=True, pack=1).to(ty, bitcast=True)
 
 
 @triton.jit
@@ -156,24 +211,55 @@ def _bucket_search(x, TSB, NB, TS_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _time_bucket(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS: tl.constexpr):
-    """#{k : |tsn - tsj| >= TSB[k]} exactly, the gap taken in the timestamps' dtype (int32/int64/fp32/fp64), on
-    the tile broadcast from the row and column vectors ``tsn``, ``tsj`` (``TSB``: sorted thresholds, int64 for
-    integer gaps, else the gaps' dtype; ``TSP[3:]`` the same in fp32 and a NaN; both tiny and L1-resident).
+def _log2_guess(x):
+    """log2 of fp32 ``x`` for the bucket guess: one MUFU op on a GPU (error ~1e-7, inside _ts_plan's margin)."""
+    if _INTERPRET:
+        return tl.log2(x)
+    else:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
 
-    Per element the fast path keeps only 32-bit values (64-bit values per score element spill, sm90): the gap
-    is rounded to fp32 once (xf); the guess ``c = clamp(floor(slope * log2(xf) + off), 0, NB)`` (monotone) is
-    the bucket or the one below it (:func:`_ts_plan` checked both ends of every bucket), and one gather of
-    the next fp32 threshold decides which. Rounding is monotone, so ``xf != fp32(t)`` decides ``x >= t``; an
-    fp32 gap, or an integer one below 2**24, is exact, so only a tie above it (or an fp64 gap) is
-    ambiguous: a tile with one (rare) redoes its buckets by a binary search in the native dtype, as do all
-    tiles when the thresholds do not follow the log-linear guess (``fits == 0``, one flag per call)."""
+
+@triton.jit
+def _gap32(tsn, tsj, base, rv, cv, far_ok):
+    """(ok, a, b): the gaps of the tile in 32 bits, ``|a[i] - b[j]|`` (int32), where that is exact enough for
+    the bucket: every gap equals ``|tsn[i] - tsj[j]|`` (the timestamps' own arithmetic), or both exceed every
+    threshold. ``base`` is one timestamp of the tile; ``rv``/``cv`` the valid rows/columns; ``far_ok``: every
+    threshold is below 2**29.
+
+    Int64 or integral fp64 timestamps within 2**29 of ``base`` (the "core") are exact in int32, and so are
+    their differences. A value outside the core is clamped to +-2**30: its gap to a core value stays above
+    2**29, as the true gap, so both are in the last bucket when ``far_ok``. A pair with both ends outside the
+    core is what this cannot answer: ``ok`` needs every valid row and column in the core, or (with
+    ``far_ok``) all rows or all columns; for floats also integral values (a fraction would be lost)."""
+    a = tsn - base
+    b = tsj - base
+    core_a = (a >= -536870912) & (a <= 536870912)
+    core_b = (b >= -536870912) & (b <= 536870912)
+    rows_in = tl.min(tl.where(rv, core_a, True).to(tl.int32)) > 0
+    cols_in = tl.min(tl.where(cv, core_b, True).to(tl.int32)) > 0
+    ok = (rows_in & cols_in) | (far_ok & (rows_in | cols_in))
+    if tsn.dtype == tl.float64:
+        whole = tl.min(tl.where(rv, a == tl.floor(a), True).to(tl.int32)) > 0
+        whole = whole & (tl.min(tl.where(cv, b == tl.floor(b), True).to(tl.int32)) > 0)
+        ok = ok & whole
+    a = tl.minimum(tl.maximum(a, -1073741824), 1073741824).to(tl.int32)
+    b = tl.minimum(tl.maximum(b, -1073741824), 1073741824).to(tl.int32)
+    return ok, a, b
+
+
+@triton.jit
+def _bucket_native(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS: tl.constexpr):
+    """:func:`_time_bucket` for 32-bit timestamps: the gap in their dtype, rounded to fp32 once (xf) and
+    compared with the fp32 threshold. Rounding is monotone, so ``xf != fp32(t)`` decides ``x >= t``; an fp32
+    gap, or an integer one below 2**24, is exact, so only an integer tie above it is ambiguous: a tile with one
+    (rare) redoes its buckets by a binary search, as do all tiles when the thresholds do not follow the guess."""
     if fits != 0.0:
         xf = tl.abs(tsn - tsj).to(tl.float32)
-        u = tl.log2(xf) * slope + off
+        u = _log2_guess(xf) * slope + off
         u = tl.where(u > 0.0, u, 0.0)  # also NaN (a negative int gap, |INT_MIN|) and -inf (x = 0)
         c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
-        t = tl.load(TSP + 3 + c)  # TSP[3 + NB] is NaN: never reached
+        t = _table_load(TSP + 3 + c).to(tl.float32, bitcast=True)  # TSP[3 + NB] is NaN: never reached
         bk = c + (xf >= t).to(tl.int32)
         if tsn.dtype != tl.float32:
             tie = xf == t
@@ -187,12 +273,58 @@ def _time_bucket(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS: tl.constexp
 
 
 @triton.jit
-def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+def _bucket32(a, b, TSP, NB, slope, off):
+    """The bucket of the int32 gap ``|a - b|`` against the integer thresholds: the guess, then one threshold."""
+    x = tl.abs(a - b)
+    u = _log2_guess(x.to(tl.float32)) * slope + off
+    u = tl.where(u > 0.0, u, 0.0)  # also -inf (x = 0) and NaN (|INT_MIN| of a row outside the sequence)
+    c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
+    t = _table_load(TSP + NB + 4 + c)  # the integer thresholds; [NB] is INT32_MAX: never reached
+    return c + (x >= t).to(tl.int32)
+
+
+@triton.jit
+def _time_bucket(tsn, tsj, rows, cols, i0, j0, n, seq, TS_b, MAX_N, TSB, TSP, NB, slope, off, fits, HAS_TS: tl.constexpr,
+                 TS_STEPS: tl.constexpr):
+    """#{k : |tsn - tsj| >= TSB[k]} exactly, the gap taken in the timestamps' dtype (int32/int64/fp32/fp64), on
+    the tile broadcast from the row and column vectors ``tsn``, ``tsj`` (``TSB``: sorted thresholds, int64 for
+    integer gaps, else the gaps' dtype; ``TSP``: _ts_plan's guess, the thresholds in fp32 and as integers;
+    all tiny and L1-resident). ``rows``/``cols``: the positions, ``i0``/``j0`` the tile's first row / a valid key.
+
+    The guess ``c = clamp(floor(slope * log2(fp32(x)) + off), 0, NB)`` (monotone) is the bucket or the one
+    below it (_ts_plan checked both ends of every bucket), and one gather of the next threshold decides which.
+    Per score element only 32-bit values: 64-bit ones spill (sm90). Int64 and integral fp64 timestamps take
+    the gap in int32 against the integer thresholds, exactly: a sequence within 2**29 of its first timestamp
+    (:func:`_seq_plan`, checked once per program) with no per-tile work; otherwise per tile (:func:`_gap32`,
+    reductions); a tile neither answers (rare) or thresholds off the guess take a binary search in the native
+    dtype, with few live registers. Int32 and fp32 timestamps: :func:`_bucket_native`."""
+    if tsn.dtype == tl.int64 or tsn.dtype == tl.float64:
+        base, seq_ok, pad, pad_far = seq
+        ok32 = tl.load(TSP + 2 * NB + 5)  # 0: the guess does not fit; 2: every threshold below 2**29
+        if seq_ok & (ok32 != 0):
+            bk = _bucket32((tsn - base).to(tl.int32), (tsj - base).to(tl.int32), TSP, NB, slope, off)
+            if HAS_TS < 3:  # the row whose next(i) is past the end reads ``pad``
+                if pad_far & (i0 <= n - 1) & (n - 1 < i0 + rows.numel) & (n < MAX_N):
+                    bk = tl.where(rows == n - 1, _bucket_search(tl.abs(pad - tsj), TSB, NB, TS_STEPS), bk)
+        else:
+            ok, a, b = _gap32(tsn, tsj, tl.load(TS_b + j0), rows < n, cols < n, ok32 == 2)
+            if ok & (ok32 != 0):
+                bk = _bucket32(a, b, TSP, NB, slope, off)
+            else:
+                bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
+    else:
+        bk = _bucket_native(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS)
+    return bk
+
+
+@triton.jit
+def _bias(RB, rows, cols, i0, j0, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
           TS_STEPS: tl.constexpr):
     """(bias, bucket) on a tile, fp32, zero outside the sequence: the dense rab plus the table bias
     ``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]`` (docs/semantics.md). ``rows`` (i) and ``cols``
-    (j) are broadcastable position vectors. The bucket tile (int32, 0 without HAS_TS) feeds d ts_w."""
-    RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN, TSB, TSP, slope, off, fits = RB
+    (j) are broadcastable position vectors, ``i0`` the tile's first row, ``j0`` a valid key. The bucket tile (int32, 0 without
+    HAS_TS) feeds d ts_w."""
+    RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN, TSB, TSP, slope, off, fits, seq = RB
     inside = (rows < n) & (cols < n)
     bk = 0
     if HAS_RAB:
@@ -200,7 +332,8 @@ def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_T
     else:
         x = tl.where(inside, 0.0, 0.0)
     if HAS_POS:
-        x += tl.load(POSW + (MAXN - 1 + cols - rows), mask=inside, other=0.0).to(tl.float32)
+        pi = tl.minimum(tl.maximum(MAXN - 1 + cols - rows, 0), 2 * MAXN - 2)  # in bounds off the sequence too
+        x += tl.where(inside, _table_load(POSW + pi).to(tl.float32), 0.0)
     if HAS_TS:
         # the query's timestamp: next(i) = min(i + 1, N - 1) on padded positions (HAS_TS 1, 2), else i's (3, 4);
         # padding has timestamp 0 (so the last row of a shorter sequence is compared with 0, as in
@@ -215,18 +348,19 @@ def _bias(RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_T
             tsn = tl.load(TS_b + nx, mask=nx < n, other=0)
         tsj = tl.load(TS_b + cols, mask=cols < n, other=0)
         # the difference in the timestamps' dtype (as the reference), bucketed by thresholds
-        bk = _time_bucket(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS)
-        x += tl.load(TSW + bk, mask=inside, other=0.0).to(tl.float32)
+        bk = _time_bucket(tsn, tsj, rows, cols, i0, j0, n, seq, TS_b, MAXN, TSB, TSP, NB, slope, off, fits, HAS_TS,
+                          TS_STEPS)
+        x += tl.where(inside, _table_load(TSW + bk).to(tl.float32), 0.0)  # bk in [0, NB] everywhere
     return x, bk
 
 
 @triton.jit
-def _pre_silu(s, alpha, RB, rows, cols, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
+def _pre_silu(s, alpha, RB, rows, cols, i0, j0, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
               TS_STEPS: tl.constexpr):
     """(x, a, bucket) with silu(a * x) the score: (s, alpha, 0) without a bias (the bias-free arithmetic),
     else (alpha * s + bias, 1, bucket)."""
     if HAS_RAB or HAS_POS or HAS_TS:
-        x, bk = _bias(RB, rows, cols, n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
+        x, bk = _bias(RB, rows, cols, i0, j0, n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
         return s * alpha + x, 1.0, bk
     else:
         return s, alpha, 0

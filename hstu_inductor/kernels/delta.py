@@ -120,7 +120,7 @@ def _hstu_delta_kernel(
     # TMA: descriptors ending at row n (zero-filled past it), as in the full forward
     K_src = _rows(K + start * stride_km + h * stride_kh, n, DQ, stride_km, BLOCK_N, BLOCK_DQ, TMA)
     V_src = _rows(V + start * stride_vm + h * stride_vh, n, DV, stride_vm, BLOCK_N, BLOCK_DV, TMA)
-    RB = _bias_operands(None, None, None, None, 0, MAX_N, b, h, start, 0, 0, 0, 0, None, None, False, False, False, 0)
+    RB = _bias_operands(None, None, None, None, 0, MAX_N, b, h, start, 0, 0, 0, 0, 0, None, None, False, False, False, 0)
 
     m_first = tl.maximum(pos0 + r0, 0)
     m_last = tl.minimum(pos0 + r0 + BLOCK_M, n) - 1
@@ -134,15 +134,15 @@ def _hstu_delta_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # the full forward's three segments (masked, full, masked), each cut to [lo, hi)
     acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
-                       tl.maximum(a, lo), tl.minimum(fs, hi), pos_m, pi_m, n, M, ml, alpha, DQ, DV, RB,
+                       tl.maximum(a, lo), tl.minimum(fs, hi), pos_m, 0, pi_m, n, M, ml, alpha, DQ, DV, RB,
                        pos_m, pos_m, pos_m, True, MASK, TMA, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
     acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
-                       tl.maximum(fs, lo), tl.minimum(fe, hi), pos_m, pi_m, n, M, ml, alpha, DQ, DV, RB,
+                       tl.maximum(fs, lo), tl.minimum(fe, hi), pos_m, 0, pi_m, n, M, ml, alpha, DQ, DV, RB,
                        pos_m, pos_m, pos_m, False, MASK, TMA, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
     acc = _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
-                       tl.maximum(fe, lo), tl.minimum(e, hi), pos_m, pi_m, n, M, ml, alpha, DQ, DV, RB,
+                       tl.maximum(fe, lo), tl.minimum(e, hi), pos_m, 0, pi_m, n, M, ml, alpha, DQ, DV, RB,
                        pos_m, pos_m, pos_m, True, MASK, TMA, FAST, PREC,
                        EVEN_DQ, EVEN_DV, BLOCK_N, BLOCK_DQ, BLOCK_DV, False, False, False, False, 0)
 

@@ -462,23 +462,37 @@ from hstu_inductor.reference.rab import buckets_from_bounds, time_bucket_bounds 
 
 
 @triton.jit
-def _bucket_probe(TSN, TSJ, OUT, TSB, TSP, NB, rows, cols, R: tl.constexpr, C: tl.constexpr,
-                  TS_STEPS: tl.constexpr):
+def _bucket_probe(TSN, TSJ, SEQ, OUT, TSB, TSP, NB, rows, cols, seq_len, R: tl.constexpr, C: tl.constexpr,
+                  TS_STEPS: tl.constexpr, PER_TILE: tl.constexpr):
+    """_time_bucket on one tile: rows ``TSN`` (the last one the padding row, next(n - 1) past the end) against
+    columns ``TSJ``; ``SEQ`` holds the sequence's timestamps (columns, then the other rows) for _seq_plan.
+    PER_TILE: skip the per-sequence plan (its per-tile fallback)."""
     r = tl.arange(0, R)
     c = tl.arange(0, C)
     tsn = tl.load(TSN + r, mask=r < rows, other=0)[:, None]
     tsj = tl.load(TSJ + c, mask=c < cols, other=0)[None, :]
-    bk = K._time_bucket(tsn, tsj, TSB, TSP, NB, tl.load(TSP), tl.load(TSP + 1), tl.load(TSP + 2), TS_STEPS)
+    slope = tl.load(TSP).to(tl.float32, bitcast=True)
+    off = tl.load(TSP + 1).to(tl.float32, bitcast=True)
+    fits = tl.load(TSP + 2).to(tl.float32, bitcast=True)
+    n = rows  # the padding row is row n - 1; columns sit at positions below n exactly when they exist
+    seq = K._seq_plan(SEQ, seq_len, n + 1, 1)
+    if PER_TILE:
+        seq = (seq[0], False, seq[2], seq[3])
+    bk = K._time_bucket(tsn, tsj, r[:, None], c[None, :] + (n - cols), 0, 0, n, seq, TSJ, n + 1, TSB, TSP, NB,
+                        slope, off, fits, 1, TS_STEPS)
     tl.store(OUT + r[:, None] * cols + c[None, :], bk, mask=(r[:, None] < rows) & (c[None, :] < cols))
 
 
-def _probe(tsn, tsj, bounds, nb):
-    """Run _time_bucket on the tile |tsn - tsj|."""
+def _probe(tsn, tsj, bounds, nb, per_tile=False):
+    """Run _time_bucket on the tile |tsn - tsj| (tsn's last row is the padding row)."""
+    tsn, tsj, bounds = tsn.to(DEV), tsj.to(DEV), bounds.to(DEV)
     tsb, tsp = K._ts_bounds_and_plan(bounds, nb, tsn.dtype, tsn.device)
-    out = torch.full((tsn.numel(), tsj.numel()), -1, dtype=torch.int32)
-    _bucket_probe[(1,)](tsn, tsj, out, tsb, tsp, nb, tsn.numel(), tsj.numel(), triton.next_power_of_2(tsn.numel()),
-                        triton.next_power_of_2(tsj.numel()), int(nb).bit_length())
-    return out, tsp
+    out = torch.full((tsn.numel(), tsj.numel()), -1, dtype=torch.int32, device=DEV)
+    seq = torch.cat([tsj, tsn[:-1]])
+    _bucket_probe[(1,)](tsn, tsj, seq, out, tsb, tsp, nb, tsn.numel(), tsj.numel(), seq.numel(),
+                        triton.next_power_of_2(tsn.numel()), triton.next_power_of_2(tsj.numel()),
+                        int(nb).bit_length(), per_tile)
+    return out.cpu(), tsp.cpu()
 
 
 def _expected(tsn, tsj, pad, bounds):
@@ -509,13 +523,13 @@ BUCKET_CASES = {  # timestamp dtype, num_buckets, bucket function (None: the def
 }
 
 
-@SMALL
 @pytest.mark.parametrize("case", list(BUCKET_CASES))
 def test_time_bucket_exact_at_thresholds(case):
     """_time_bucket == buckets_from_bounds exactly, for gaps at / next to every threshold, both signs: gaps below
     2**23 (the fp32 path alone) and all of them (integer gaps equal to a threshold above 2**24 tie in fp32: the
     tile's native fallback), and a padding row (timestamp 0); thresholds of the default bucket, of a user fp32-log bucket (82 of 128 differ),
-    of a linear bucket (the log guess does not fit: binary search) and of an fp32-valued user bucket."""
+    of a linear bucket (the log guess does not fit: binary search) and of an fp32-valued user bucket. On a GPU
+    too: there the guess takes the approximate log2 and the tables a read-only load (inline PTX)."""
     dtype, nb, fn = BUCKET_CASES[case]
     g = torch.Generator().manual_seed(sum(map(ord, case)))
     bucket_fn = {None: None, "user": _user_fp32_log(nb), "linear": lambda d: (d.abs() // 997).clamp(0, nb),
@@ -539,12 +553,93 @@ def test_time_bucket_exact_at_thresholds(case):
             tsn = torch.cat([sel[:half], -sel[half:]])
         tsj = torch.cat([tsj, tsj + torch.randint(0, 3, (2,), generator=g).to(dtype)])
         pad = torch.zeros(tsn.numel(), dtype=torch.bool)
-        pad[torch.randint(0, tsn.numel(), (1,), generator=g)] = True
+        pad[-1] = True
         tsn[pad] = 0  # as the kernel loads it (padding has timestamp 0)
-        got, tsp = _probe(tsn, tsj, bounds, nb)
-        plan_fits = float(tsp[2])
-        assert torch.equal(got, _expected(tsn, tsj, pad, bounds)), case
+        for per_tile in (False, True):
+            got, tsp = _probe(tsn, tsj, bounds, nb, per_tile)
+            assert torch.equal(got, _expected(tsn, tsj, pad, bounds)), (case, per_tile)
+        plan_fits = float(tsp[:3].view(torch.float32)[2])
     assert plan_fits == (0.0 if fn == "linear" else 1.0)
+
+
+@triton.jit
+def _gap32_probe(TSN, TSJ, OUT, OK, rows, cols, far_ok, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    tsn = tl.load(TSN + r, mask=r < rows, other=0)[:, None]
+    tsj = tl.load(TSJ + c, mask=c < cols, other=0)[None, :]
+    ok, a, b = K._gap32(tsn, tsj, tl.load(TSJ), (r < rows)[:, None], (c < cols)[None, :], far_ok != 0)
+    tl.store(OUT + r[:, None] * cols + c[None, :], tl.abs(a - b), mask=(r[:, None] < rows) & (c[None, :] < cols))
+    tl.store(OK, ok.to(tl.int32))
+
+
+GAP32_CASES = {  # name: (rows, columns, dtype, answered with far_ok, answered without)
+    "epoch_seconds": ([1_700_000_000 + k * 7919 for k in range(5)], [1_700_000_100 - k * 31 for k in range(3)],
+                      torch.int64, True, True),
+    "padding_row": ([0, 1_700_000_000, 1_700_003_000], [1_700_000_500, 1_700_000_000], torch.int64, True, False),
+    "far_rows_near_columns": ([-(2 ** 62), 2 ** 40, 5], [2 ** 28, -(2 ** 28), 7], torch.int64, True, False),
+    "far_columns_near_rows": ([2 ** 28, -(2 ** 28), 7], [3, -(2 ** 62), 2 ** 40], torch.int64, True, False),
+    "both_sides_far": ([0, 1_700_000_000], [1_700_000_000, 1_700_000_000 + 2 ** 30], torch.int64, False, False),
+    "fp64_whole": ([1.7e9, 1.7e9 + 3, 1.7e9 - 4e8], [1.7e9 + 1e6, 1.7e9 - 5e8], torch.float64, True, True),
+    "fp64_far_row": ([1.7e9, 0.0], [1.7e9 + 1e6, 1.7e9 - 5e8], torch.float64, True, False),
+    "fp64_fraction": ([1.7e9 + 0.5, 1.7e9], [1.7e9, 1.7e9 + 2], torch.float64, False, False),
+    "fp64_nan": ([float("nan"), 1.0], [2.0, 3.0], torch.float64, False, False),
+}
+
+
+@SMALL
+@pytest.mark.parametrize("far_ok", [True, False])
+@pytest.mark.parametrize("case", list(GAP32_CASES))
+def test_gap32_exact_or_declined(case, far_ok):
+    """_gap32: where it answers the tile, each 32-bit gap is the true gap, or (only with far_ok: every threshold
+    below 2**29) both exceed 2**29; it declines a tile with a row and a column both far from the base, a far
+    one without far_ok, and fractional or NaN fp64 timestamps."""
+    rows, cols, dtype, want_far, want_near = GAP32_CASES[case]
+    tsn, tsj = torch.tensor(rows, dtype=dtype), torch.tensor(cols, dtype=dtype)
+    out = torch.full((tsn.numel(), tsj.numel()), -1, dtype=torch.int32)
+    ok = torch.zeros(1, dtype=torch.int32)
+    _gap32_probe[(1,)](tsn, tsj, out, ok, tsn.numel(), tsj.numel(), int(far_ok), triton.next_power_of_2(tsn.numel()),
+                       triton.next_power_of_2(tsj.numel()))
+    assert bool(ok) == (want_far if far_ok else want_near)
+    if bool(ok):
+        true = (tsn.to(torch.float64)[:, None] - tsj.to(torch.float64)[None, :]).abs()
+        exact = true < 2 ** 29
+        assert torch.equal(out.to(torch.float64)[exact], true[exact])
+        assert bool((out[~exact] >= 2 ** 29).all())
+        assert far_ok or bool(exact.all())
+
+
+@triton.jit
+def _seq_plan_probe(TS, OUT, n, MAX_N, HAS_TS: tl.constexpr):
+    base, ok, pad, pad_far = K._seq_plan(TS, n, MAX_N, HAS_TS)
+    tl.store(OUT, ok.to(tl.int32))
+    tl.store(OUT + 1, pad_far.to(tl.int32))
+    tl.store(OUT + 2, (pad - base).to(tl.int64))
+
+
+SEQ_PLAN_CASES = {  # name: (timestamps, n, HAS_TS, (ok, pad_far, pad - base))
+    "epoch_seconds_jagged": ([1_700_000_000 + 977 * k for k in range(300)] + [5], 300, 1, (1, 1, -1_700_000_000)),
+    "span_over_2_29": ([1_700_000_000, 1_700_000_000 + 2 ** 29 + 1, 1_700_000_000], 3, 1, (0, 1, -1_700_000_000)),
+    "dense_padding_near": ([1000, 1003, 1010, 1020, 0], 3, 2, (1, 0, 20)),
+    "own_gap_dense_far_padding": ([1000, 1003, 2 ** 40], 2, 4, (1, 1, 2 ** 40 - 1000)),
+}
+
+
+@SMALL
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+@pytest.mark.parametrize("case", list(SEQ_PLAN_CASES))
+def test_seq_plan(case, dtype):
+    """_seq_plan: the per-sequence fast path holds exactly when every timestamp of the sequence (over 256-wide
+    chunks) is within 2**29 of the first and integral; the padding row's value and whether it is far."""
+    values, n, has_ts, want = SEQ_PLAN_CASES[case]
+    ts = torch.tensor(values, dtype=dtype)
+    out = torch.zeros(3, dtype=torch.int64)
+    _seq_plan_probe[(1,)](ts, out, n, len(values), has_ts)
+    assert tuple(out.tolist()) == want
+    if dtype == torch.float64:  # a fraction anywhere in the sequence declines it
+        ts[n // 2] += 0.5
+        _seq_plan_probe[(1,)](ts, out, n, len(values), has_ts)
+        assert int(out[0]) == 0
 
 
 def _bounded_tables(lengths, n, nb, ts_dtype, span, seed, device=DEV):
