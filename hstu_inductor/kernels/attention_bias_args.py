@@ -87,8 +87,8 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=
 # kernels guess it from a line in log2(|dt|) fitted to the thresholds and correct the guess by one bucket
 # either way (_time_bucket); _ts_plan fits the line and checks it, all with torch ops on the thresholds'
 # device: no host sync, so it traces (torch.compile, AOTI) and captures (CUDA graphs).
-_GUESS_MARGIN = 1.0 / 64
-_GAP32_TOP = 2 ** 29  # thresholds below it: the kernels' 32-bit gap path (attention_jit._time_bucket)  # slack (in buckets) for the device's fp32 log2 and fp32 FMA rounding
+_GUESS_MARGIN = 1.0 / 64  # slack (in buckets) for the device's fp32 log2 and fp32 FMA rounding
+_GAP32_TOP = 2 ** 29  # thresholds below it: a clamped gap still in the last bucket (attention_jit._gap32)
 _DEFAULT_BOUNDS: dict = {}  # (num_buckets, gap dtype, device) -> (thresholds, plan): eager calls only
 _USER_PLANS: dict = {}  # id(ts_bounds) -> (ts_bounds, version, plan); the tensor is held so its id stays its own
 

@@ -284,8 +284,8 @@ def _bucket32(a, b, TSP, NB, slope, off):
 
 
 @triton.jit
-def _time_bucket(tsn, tsj, rows, cols, i0, j0, n, seq, TS_b, MAX_N, TSB, TSP, NB, slope, off, fits, HAS_TS: tl.constexpr,
-                 TS_STEPS: tl.constexpr):
+def _time_bucket(tsn, tsj, rows, cols, i0, j0, n, seq, TS_b, MAX_N, TSB, TSP, NB, slope, off, fits,
+                 HAS_TS: tl.constexpr, TS_STEPS: tl.constexpr):
     """#{k : |tsn - tsj| >= TSB[k]} exactly, the gap taken in the timestamps' dtype (int32/int64/fp32/fp64), on
     the tile broadcast from the row and column vectors ``tsn``, ``tsj`` (``TSB``: sorted thresholds, int64 for
     integer gaps, else the gaps' dtype; ``TSP``: _ts_plan's guess, the thresholds in fp32 and as integers;
@@ -322,8 +322,8 @@ def _bias(RB, rows, cols, i0, j0, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexp
           TS_STEPS: tl.constexpr):
     """(bias, bucket) on a tile, fp32, zero outside the sequence: the dense rab plus the table bias
     ``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]`` (docs/semantics.md). ``rows`` (i) and ``cols``
-    (j) are broadcastable position vectors, ``i0`` the tile's first row, ``j0`` a valid key. The bucket tile (int32, 0 without
-    HAS_TS) feeds d ts_w."""
+    (j) are broadcastable position vectors, ``i0`` the tile's first row, ``j0`` a valid key. The bucket tile
+    (int32, 0 without HAS_TS) feeds d ts_w."""
     RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN, TSB, TSP, slope, off, fits, seq = RB
     inside = (rows < n) & (cols < n)
     bk = 0

@@ -7,7 +7,7 @@ one element at symbolic coordinates (``core``), so at any size:
 1. **The term is the sum of its gathers.** With the tables and ``I`` as leaves, the term's element at
    score position ``(b, h, i, j)`` must be ``Tp[c + j - i] + Tt[I(...)]`` on every in-sequence position,
    for one constant ``c`` (decided: the tables are uninterpreted functions, so nothing else may reach
-   the term).
+   the term); a table with a column per head (``[V, H]``) read at column ``h``.
 2. **The bucket reads the gap of ``(next(i), j)`` or of ``(i, j)``.** ``I`` at those coordinates is the
    bucket chain (monotone value ops, proven by ``attn_tables``) of ``G`` at some coordinates; with the value
    ops read as the identity, ``I``'s element is ``G`` at those coordinates, and ``G`` there must be
@@ -58,6 +58,7 @@ def prove_term(tc, ch) -> None:
         if arg.has(ch.i, ch.j, ch.b) or arg.free_symbols - set(sympy.sympify(plan.N).free_symbols):
             raise Decline(f"position table {tc.pos.name} is not read at c + j - i (read at {apps[0].args[0]})")
         c = arg
+        _column(tc, tc.pos, apps[0].args[1:], ch, in_seq)
         want += Tp(c + ch.j - ch.i, *apps[0].args[1:])
     if tc.ts is not None:
         apps = sorted(R.atoms(Iu), key=str)
@@ -66,6 +67,7 @@ def prove_term(tc, ch) -> None:
         targs = [a for a in R.atoms(Tt)]
         if len(targs) != 1:
             raise Decline(f"bias term {t.node.name} does not read {tc.ts.name} by one gather")
+        _column(tc, tc.ts, targs[0].args[1:], ch, in_seq)
         want += targs[0]
         _prove_gap(tc, ch, E, apps[0].args, ts, leaves)
     ok, cex = decide.valid(dom, sympy.Eq(R, want, evaluate=False), in_seq)
@@ -80,6 +82,29 @@ def prove_term(tc, ch) -> None:
         if delta < 0 or not _fits(dom, delta + 2 * lay.to_expr(plan.N) - 1, V):
             raise Decline(f"position table {tc.pos.name} read at N - 1 + {delta} + j - i: no window of 2N - 1 rows")
         tc.deltas.add(delta)
+
+
+def _column(tc, T, cols, ch, in_seq) -> None:
+    """The column a gather of table ``T`` reads: 0 of a ``[V]`` / ``[V, 1]`` table, or the score's own head of
+    a ``[V, H]`` table (a column per head); records which in ``tc.heads``."""
+    width = meta_val(T).shape[1] if meta_val(T).dim() == 2 else 1
+    heads = 1
+    for size, _, _ in ch.plan.head_modes:
+        heads *= int(size)
+    if not lay.to_expr(width).is_Integer:
+        raise Decline(f"table {T.name} has a symbolic number of columns")
+    width = int(width)
+    if width > 1 and width != heads:
+        raise Decline(f"table {T.name} has {width} columns for {heads} heads")
+    h = sympy.Integer(0)
+    if width > 1:
+        for size, axis, stride in ch.plan.head_modes:
+            h = h * int(size) + ch.dom.mod(ch.dom.floordiv(ch.axes.get(axis, sympy.Integer(0)), stride), size)
+    col = cols[0] if cols else sympy.Integer(0)
+    ok, _ = decide.valid(ch.dom, sympy.Eq(col, h, evaluate=False), in_seq)
+    if not ok:
+        raise Decline(f"bias term {tc.term.node.name} reads a column of {T.name} other than its head's")
+    tc.heads[T] = width > 1
 
 
 def _fits(dom, need, have) -> bool:

@@ -2,14 +2,17 @@
 
 A bias term ``R`` found by ``attn_bias`` (a tensor added to the scores before the silu) is proven to be
 
-    R(b, h, i, j) = Tp[c + j - i] + Tt[bucket(ts_b(q(i)) - ts_b(j))]      (either part may be absent)
+    R(b, h, i, j) = Tp[c + j - i (, h)] + Tt[bucket(ts_b(q(i)) - ts_b(j)) (, h)]      (either part may be absent)
 
-on every in-sequence position, for 1-D tables ``Tp`` / ``Tt`` read from graph inputs (``[V]`` or ``[V, 1]``),
+on every in-sequence position, for tables ``Tp`` / ``Tt`` read from graph inputs, shared by the heads (``[V]``
+or ``[V, 1]``) or with a column per head (``[V, H]``: head h reads column h, as ``nn.Embedding(V, H)`` gathered
+and moved to the head axis), each independently,
 the jagged timestamps ``ts`` padded with 0 by the user's own pad (or a ``[B, N]`` timestamps input the
 caller padded, read as it is), ``q(i) = next(i) = min(i + 1, N - 1)`` (the original HSTU) or ``q(i) = i``
 (the op's ``ts_next``), and a
 bucket that is a non-decreasing step function of ``|dt|``. Then the op gets ``timestamps``,
-``pos_w = Tp[c - N + 1 : c + N]``, ``ts_w = Tt`` and the bucket's thresholds ``ts_bounds`` and computes
+``pos_w = Tp[c - N + 1 : c + N]``, ``ts_w = Tt`` (``[H, ...]``, transposed, per head) and the bucket's
+thresholds ``ts_bounds`` and computes
 the bias in-kernel (docs/semantics.md, path (b)): nothing ``N x N`` is materialised, and gradients reach
 the tables through the op. Anything unproven stays a dense ``rab`` term (path (a), ``attn_bias``).
 
@@ -100,6 +103,7 @@ class TermCheck:
     sizes: list = dataclasses.field(default_factory=list)  # SymInt leaves of both closures
     deltas: set = dataclasses.field(default_factory=set)   # c - (N - 1) per probe
     probes: int = 0
+    heads: dict = dataclasses.field(default_factory=dict)  # table leaf -> it has a column per head
     reason: str = None                # why the term stays a dense rab term
 
 
@@ -113,12 +117,14 @@ class Tables:
     ts_dtype: torch.dtype = None      # the op's timestamps dtype: the gap's
     bounds: torch.Tensor = None
     ts_next: bool = True              # the gap of the time bucket: ts(next(i)) - ts(j), else ts(i) - ts(j)
+    per_head: frozenset = frozenset()  # the table leaves with a column per head ([V, H])
 
 
 def _is_table(n) -> bool:
+    """A float ``[V]`` or ``[V, C]`` input (``C`` 1, or one column per head: the probes decide)."""
     val = meta_val(n)
     return n.op in ("placeholder", "get_attr") and isinstance(val, torch.Tensor) and val.is_floating_point() \
-        and (val.dim() == 1 or (val.dim() == 2 and lay.eq(val.shape[1], 1)))
+        and val.dim() in (1, 2)
 
 
 def _tensor_leaves(leaves, allowed):
@@ -509,20 +515,32 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
         raise Decline(f"bias term {t.node.name} is not zero with zero tables (a part besides the table gathers)")
     bb, ii, jj = (crd[a].expand(shape) for a in ("b", "i", "j"))
     sel = in_seq.expand(shape)
-    idx = {}
+    heads = math.prod(int(m[0]) for m in plan.head_modes)
+    idx, flat = {}, {}
     for T in tabs:
         d = at({T: unique(T)})[sel]
         k = d.round()
         if not torch.equal(k, d) or bool((k < 1).any()) or bool((k > math.prod(tshape[T])).any()):
             raise Decline(f"bias term {t.node.name} does not read {T.name} by one gather (index probe)")
-        idx[T] = k.to(torch.int64) - 1
+        flat[T] = k.to(torch.int64) - 1
+        cols = tshape[T][1] if len(tshape[T]) == 2 else 1
+        if cols > 1:  # a column per head: head h must read column h
+            if cols != heads:
+                raise Decline(f"table {T.name} has {cols} columns for {heads} heads")
+            hh = 0
+            for size, axis, stride in plan.head_modes:
+                hh = hh * int(size) + (crd[axis] // int(stride)) % int(size)
+            if not torch.equal(flat[T] % cols, torch.as_tensor(hh).expand(shape)[sel]):
+                raise Decline(f"bias term {t.node.name} reads a column of {T.name} other than its head's")
+        tc.heads[T] = cols > 1
+        idx[T] = flat[T] // cols
     if tc.pos is not None:
         rel = idx[tc.pos] - (jj[sel] - ii[sel])
         c = int(rel[0]) if rel.numel() else Np - 1
         if not bool((rel == c).all()):
             raise Decline(f"position table {tc.pos.name} is not read at c + j - i")
         delta = c - (Np - 1)
-        if delta < 0 or delta + 2 * Np - 1 > math.prod(tshape[tc.pos]):
+        if delta < 0 or delta + 2 * Np - 1 > tshape[tc.pos][0]:
             raise Decline(f"position table {tc.pos.name} read at N - 1 + {delta} + j - i: no window of 2N - 1 rows")
         tc.deltas.add(delta)
         if len(tc.deltas) > 1:
@@ -540,7 +558,7 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
         else:
             raise gap_decline(tc)
     rnd = {T: probe_values(tshape[T], gen) for T in tabs}
-    want = sum(rnd[T].reshape(-1)[idx[T]] for T in tabs)
+    want = sum(rnd[T].reshape(-1)[flat[T]] for T in tabs)
     if not close(at(rnd)[sel], want):
         raise Decline(f"bias term {t.node.name} is not the sum of its table gathers (random tables)")
 
@@ -573,6 +591,8 @@ def finish(checks, plan) -> None:
         plan.rab.table_reasons.append("the op takes no ts_bounds: every term stays dense")
         return
     tabs = Tables(moved, pos=pos)
+    tabs.per_head = frozenset(T for tc in checks if tc.reason is None and tc.term in moved
+                              for T, per in tc.heads.items() if per)
     if ts is not None:
         tc = ts[2]
         tabs.ts = ts[:2]
@@ -595,16 +615,16 @@ def emit_tables(call, gm, plan, N_arg) -> list:
     pos_w = ts_w = stamps = bounds = None
     if tabs.pos is not None:
         T, delta, f = tabs.pos
-        x = _flat(call, T)
+        x = _flat(call, T, T in tabs.per_head)
         V = sym_expr(meta_val(T).shape[0])
         if not (delta == 0 and lay.eq(V, 2 * lay.to_expr(plan.N) - 1)):
             stop = 2 * N_arg - 1 + delta if isinstance(N_arg, int) else \
                 call(operator.add, [call(operator.mul, [N_arg, 2]), delta - 1])
-            x = call(aten.slice.Tensor, [x, 0, delta, stop])
+            x = call(aten.slice.Tensor, [x, -1, delta, stop])
         pos_w = _times(call, x, f * coeff)
     if tabs.ts is not None:
         T, f = tabs.ts
-        ts_w = _times(call, _flat(call, T), f * coeff)
+        ts_w = _times(call, _flat(call, T, T in tabs.per_head), f * coeff)
         stamps = tabs.stamps
         if meta_val(stamps).dtype != tabs.ts_dtype:
             stamps = call(aten._to_copy.default, [stamps], {"dtype": tabs.ts_dtype})
@@ -615,7 +635,10 @@ def emit_tables(call, gm, plan, N_arg) -> list:
     return [stamps, pos_w, ts_w, bounds] + ([False] if tabs.ts is not None and not tabs.ts_next else [])
 
 
-def _flat(call, T):
+def _flat(call, T, per_head=False):
+    """The op's table: ``[V]``, or ``[H, V]`` for a table with a column per head."""
+    if per_head:
+        return call(aten.t.default, [T])
     return T if meta_val(T).dim() == 1 else call(aten.reshape.default, [T, [-1]])
 
 
@@ -646,9 +669,11 @@ def describe(plan) -> str:
     parts = []
     if tabs.pos is not None:
         T, delta, _ = tabs.pos
-        parts.append(f"pos_w={T.name}" + (f"[{delta}:{delta}+2N-1]" if delta else ""))
+        parts.append(f"pos_w={T.name}" + (f"[{delta}:{delta}+2N-1]" if delta else "")
+                     + (" per head" if T in tabs.per_head else ""))
     if tabs.ts is not None:
-        parts.append(f"ts_w={tabs.ts[0].name} (timestamps {tabs.stamps.name}, {len(tabs.bounds)} bucket "
+        parts.append(f"ts_w={tabs.ts[0].name}" + (" per head" if tabs.ts[0] in tabs.per_head else "")
+                     + f" (timestamps {tabs.stamps.name}, {len(tabs.bounds)} bucket "
                      f"thresholds on {str(tabs.ts_dtype).replace('torch.', '')} gaps"
                      + ("" if tabs.ts_next else " ts(i) - ts(j)") + ")")
     return "tables: " + ", ".join(parts)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hstu_inductor.ops.attention  # noqa: F401
+import hstu_inductor.ops.attention  # noqa: F401  (registers torch.ops.hstu)
 from hstu_inductor.patterns import attn_tables
 from hstu_inductor.reference.rab import time_bucket_bounds, time_buckets
 from hstu_inductor.report import collecting
@@ -53,6 +53,11 @@ class TableBias(torch.nn.Module):
         if spelling == "embedding":
             self.pos_emb = torch.nn.Embedding(2 * N - 1, 1)
             self.ts_emb = torch.nn.Embedding(NB + 1, 1)
+        if spelling in ("per_head", "near_head_shift"):  # a column per head: nn.Embedding(V, H)
+            self.pos_emb = torch.nn.Embedding(2 * N - 1, H)
+            self.ts_emb = torch.nn.Embedding(NB + 1, H)
+        if spelling == "per_head_time":
+            self.ts_heads = torch.nn.Parameter(torch.randn(NB + 1, H, generator=g))
         if spelling == "with_head_bias":
             self.head_bias = torch.nn.Parameter(torch.randn(1, H, N, N, generator=g))
         if spelling == "float_bounds":  # float thresholds in a buffer (not a table), embedding modules
@@ -135,6 +140,19 @@ class TableBias(torch.nn.Module):
             b = torch.bucketize((nxt.unsqueeze(2) - tsp.unsqueeze(1)).abs(), self.fbounds)
             pos = self.pos_emb(i.unsqueeze(0) - i.unsqueeze(1) + (N - 1)).squeeze(-1)
             return (self.ts_emb(b).squeeze(-1) + pos).unsqueeze(1)
+        if sp in ("per_head", "near_head_shift"):
+            # [B, N, N, H] gathers moved to the head axis; the near miss reads the next head's column
+            tsp = pad(ts, offsets)
+            b = torch.bucketize(_dt_next(tsp).abs(), self.fbounds_for(ts))
+            rel = self.pos_emb(i[None, :] - i[:, None] + N - 1)  # [N, N, H]
+            tim = self.ts_emb(b)  # [B, N, N, H]
+            if sp == "near_head_shift":
+                tim = tim.roll(1, dims=-1)
+            return (rel[None] + tim).permute(0, 3, 1, 2)
+        if sp == "per_head_time":  # a per-head time table by advanced indexing, a shared position table
+            dt = _dt_next(pad(ts, offsets)).abs().clamp(min=1)
+            b = (torch.log(dt.to(torch.float32)) / 0.301).long().clamp(0, NB)
+            return self.ts_heads[b].permute(0, 3, 1, 2) + self.pos_w[N - 1 + i[None, :] - i[:, None]]
         if sp == "near_square":  # (|dt| - 300)^2 as x * x: not monotone in |dt|
             x = _dt_next(pad(ts, offsets)).abs().to(torch.float32) - 300.0
             b = (torch.log((x * x).clamp(min=1.0)) / 1.5).floor().clamp(0, NB).long()
@@ -144,6 +162,11 @@ class TableBias(torch.nn.Module):
         if sp == "near_wraps":  # N - 2 + j - i: -1 at j - i = 1 - N reads the table's last row
             return self.pos_w[N - 2 + i[None, :] - i[:, None]]
         raise ValueError(sp)
+
+    @staticmethod
+    def fbounds_for(ts):
+        return torch.tensor([1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 10 ** 6, 10 ** 7],
+                            device=ts.device)[:NB]
 
     def forward(self, q, k, v, offsets, ts):
         L = q.shape[0]
@@ -235,6 +258,8 @@ RECOGNISED = {  # spelling -> (tables expected in the report, a dense rab term e
     "float_bounds": ("pos_w=", "ts_w="),
     "own_row": ("pos_w=", "ts_w="),
     "padded_input_own_row": ("pos_w=", "ts_w="),
+    "per_head": ("pos_w=", "ts_w=", "per head"),
+    "per_head_time": ("pos_w=", "ts_w=", "per head"),
 }
 
 
@@ -329,6 +354,7 @@ NEAR = {
     "near_mod7": "not a monotone op",
     "near_prev_row": "bucket(ts(next(i)) - ts(j)) or bucket(ts(i) - ts(j))",
     "near_square": "reads the gap 2 times",
+    "near_head_shift": "other than its head's",
 }
 
 
@@ -494,3 +520,42 @@ def test_original_production_size_fake():
         (torch.log(dt.abs().clamp(min=1)) / 0.301).long(), 0, nb))
     assert torch.equal(getattr(gm, bounds.target), fp32)
     print(f"\noriginal spelling at B=128, N=4096: {secs:.2f} s; {report.details}")
+
+
+def test_per_head_production_size_fake():
+    """B=128, N=4096, H=4 static under fake tensors: per-head tables (``[2N-1, H]`` position rows by ``j - i``,
+    ``[nb+1, H]`` time rows by an fp32-log bucket of the gap ``ts(i) - ts(j)``, gathered to ``[B, N, N, H]`` and
+    moved to the head axis)
+    are proven at the real sizes by the meaning prover and go to the op as ``[H, ...]`` tables."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from _rewrite import rewrite_exported
+
+    n, B, nb, heads = 4096, 128, 64, 4
+
+    class Prod(torch.nn.Module):
+        def forward(self, q, k, v, offsets, ts, pos_w, ts_w):
+            L = q.shape[0]
+            qp, kp, vp = (pad(t, offsets, n) for t in (q, k, v))
+            tsp = pad(ts, offsets, n)
+            i = torch.arange(n, device=q.device)
+            rel = pos_w[n - 1 + i[None, :] - i[:, None]]  # [n, n, H]
+            dt = (tsp[:, :, None] - tsp[:, None, :]).abs().clamp(min=1)
+            tim = ts_w[(torch.log(dt.to(torch.float32)) / 0.301).long().clamp(0, nb)]  # [B, n, n, H]
+            bias = (rel[None] + tim).permute(0, 3, 1, 2)
+            s = F.silu(torch.einsum("bnhd,bmhd->bhnm", qp, kp) * ALPHA + bias) / n
+            return unpad(torch.einsum("bhnm,bmhd->bnhd", torch.tril(s), vp), offsets, L)
+
+    L = B * n - 3 * n // 2
+    with FakeTensorMode():
+        args = [torch.empty(L, heads, 128) for _ in range(3)] + [torch.empty(B + 1, dtype=torch.int64),
+                                                                  torch.empty(L, dtype=torch.int64),
+                                                                  torch.empty(2 * n - 1, heads),
+                                                                  torch.empty(nb + 1, heads)]
+        ep = torch.export.export(Prod(), tuple(args))
+    report, gm, secs = rewrite_exported(ep)
+    assert report.counts["attention"] == 1, report.near_misses
+    (op,) = [x for x in gm.graph.nodes if x.op == "call_function" and x.target is ATTN]
+    detail = report.details[0][1]
+    assert op.args[12] is None and "pos_w=" in detail and "ts_w=" in detail, detail
+    assert detail.count("per head") == 2 and "ts(i) - ts(j)" in detail, detail
+    assert [tuple(op.args[k].meta["val"].shape) for k in (15, 16)] == [(heads, 2 * n - 1), (heads, nb + 1)]
