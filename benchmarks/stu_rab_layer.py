@@ -14,8 +14,10 @@ the bias is
   against log-spaced boundaries held in a module
   buffer, into an ``nn.Embedding(num_buckets + 1, 1)``;
 - position: an ``nn.Embedding(2N - 1, 1)`` over ``j - i + N - 1``;
+- ``--per-head``: both embeddings with a column per head (``nn.Embedding(V, H)``), the ``[B, N, N, H]`` gathers
+  moved to the head axis;
 
-both shared by the heads and added to the scaled scores inside the silu; causal mask, ``1/N`` scaling.
+(else shared by the heads), added to the scaled scores inside the silu; causal mask, ``1/N`` scaling.
 
 Providers: ``inductor`` (stock ``torch.compile``), ``hstu`` (the backend's default: the tables in training),
 ``hstu_tables`` (``config.rab_tables = True``: the bias computed in the kernels from the tables, path (b)),
@@ -42,9 +44,9 @@ log = logging.getLogger("stu_rab_layer")
 
 
 class RabLayer(torch.nn.Module):
-    def __init__(self, E, H, D, N, num_buckets=64, rab=True, gap="next"):
+    def __init__(self, E, H, D, N, num_buckets=64, rab=True, gap="next", per_head=False):
         super().__init__()
-        self.H, self.D, self.N, self.rab, self.gap = H, D, N, rab, gap
+        self.H, self.D, self.N, self.rab, self.gap, self.per_head = H, D, N, rab, gap, per_head
         self.norm = torch.nn.LayerNorm(E)
         self.uvqk = torch.nn.Linear(E, 4 * H * D, bias=False)
         self.out_norm = torch.nn.LayerNorm(H * D)
@@ -52,8 +54,9 @@ class RabLayer(torch.nn.Module):
         if rab:
             # boundaries of |dt| in seconds, 1 s .. ~1 year, log-spaced (a buffer: saved with the model)
             self.register_buffer("bounds", torch.logspace(0, 7.5, num_buckets, dtype=torch.float64).round())
-            self.time_emb = torch.nn.Embedding(num_buckets + 1, 1)
-            self.pos_emb = torch.nn.Embedding(2 * N - 1, 1)
+            cols = H if per_head else 1  # a bias per head: [B, N, N, H] gathers moved to the head axis
+            self.time_emb = torch.nn.Embedding(num_buckets + 1, cols)
+            self.pos_emb = torch.nn.Embedding(2 * N - 1, cols)
             torch.nn.init.normal_(self.time_emb.weight, std=0.3)
             torch.nn.init.normal_(self.pos_emb.weight, std=0.3)
 
@@ -61,10 +64,12 @@ class RabLayer(torch.nn.Module):
         N = self.N
         query = torch.cat([tsp[:, 1:], tsp[:, -1:]], dim=1) if self.gap == "next" else tsp
         gap = (query.unsqueeze(2) - tsp.unsqueeze(1)).abs()
-        t = self.time_emb(torch.bucketize(gap, self.bounds)).squeeze(-1)
+        t = self.time_emb(torch.bucketize(gap, self.bounds))
         ar = torch.arange(N, device=tsp.device)
-        p = self.pos_emb(ar.unsqueeze(0) - ar.unsqueeze(1) + (N - 1)).squeeze(-1)
-        return (t + p).unsqueeze(1)  # [B, 1, N, N]
+        p = self.pos_emb(ar.unsqueeze(0) - ar.unsqueeze(1) + (N - 1))
+        if self.per_head:
+            return (t + p.unsqueeze(0)).permute(0, 3, 1, 2)  # [B, H, N, N]
+        return (t + p).squeeze(-1).unsqueeze(1)  # [B, 1, N, N]
 
     def forward(self, x, offsets, ts):
         L, B, H, D, N = x.shape[0], offsets.numel() - 1, self.H, self.D, self.N
@@ -122,8 +127,8 @@ def run(args, providers):
     for prov in providers:
         rab = not prov.startswith("norab")
         torch.manual_seed(0)
-        model = RabLayer(E, H, D, N, rab=rab, gap=args.gap).to(device)
-        ref_model = RabLayer(E, H, D, N, rab=rab, gap=args.gap).to(device)
+        model = RabLayer(E, H, D, N, rab=rab, gap=args.gap, per_head=args.per_head).to(device)
+        ref_model = RabLayer(E, H, D, N, rab=rab, gap=args.gap, per_head=args.per_head).to(device)
         ref_model.load_state_dict(model.state_dict())
         model = model.to(dtype)
         gy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
@@ -165,6 +170,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     provs = ["inductor", "hstu", "hstu_tables", "hstu_dense", "norab_inductor", "norab_hstu"]
     ap.add_argument("--providers", nargs="+", default=provs, choices=provs)
+    ap.add_argument("--per-head", action="store_true",
+                    help="tables with a column per head (nn.Embedding(V, H)), as the issue's model; default shared")
     ap.add_argument("--gap", choices=["next", "own"], default="next",
                     help="time gap ts(next(i)) - ts(j) (the original HSTU's) or ts(i) - ts(j)")
     ap.add_argument("--check", action="store_true", help="small CPU run (B=4, N=32): rewrites and errors")
