@@ -188,6 +188,13 @@ def no_fake_mode():
     return unset_fake_temporarily()
 
 
+def compile_fake_mode():
+    """The fake mode of the compile being traced (Dynamo's tracing context), else None."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode()
+
+
 def is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 

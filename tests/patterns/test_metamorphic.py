@@ -86,6 +86,9 @@ NEAR_MISSES = [
     (63, ("reassoc", "inplace"), "compile_dynamic"),
     (48, ("mask_apply",), "compile_static"),
     (43, ORDER, "compile_static"),
+    # a lifted buffer's value handed to the backend as a real tensor among fakes: AOTAutograd faked it with
+    # size symbols of no source, and Dynamo's guard building failed (IndexError)
+    (24107, ("sizes_coincide", "scale_move", "mask_buffer"), "compile_static"),
 ]
 
 
