@@ -188,11 +188,21 @@ def no_fake_mode():
     return unset_fake_temporarily()
 
 
-def compile_fake_mode():
-    """The fake mode of the compile being traced (Dynamo's tracing context), else None."""
-    from torch._guards import detect_fake_mode
+def fake_as_static_input(t, name: str) -> bool:
+    """Inside a Dynamo compile: have later fakifications of the real tensor ``t`` (AOTAutograd's of its
+    example inputs) give it static sizes, as Dynamo records a module buffer (its tracing context maps the
+    tensor to a symbolic context). False outside a compile."""
+    from torch._dynamo.source import ConstantSource
+    from torch._guards import TracingContext
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatefulSymbolicContext
 
-    return detect_fake_mode()
+    ctx = TracingContext.try_get()
+    if ctx is None:
+        return False
+    ctx.tensor_to_context[t] = StatefulSymbolicContext(
+        dynamic_sizes=[DimDynamic.STATIC] * t.dim(), constraint_sizes=[None] * t.dim(),
+        tensor_source=ConstantSource(name), shape_env_to_source_to_symbol_cache={})
+    return True
 
 
 def is_fake(t) -> bool:

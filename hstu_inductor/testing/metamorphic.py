@@ -160,15 +160,17 @@ class _WithBuffers:
         self.compiled, self.buffers, self.values = compiled, buffers, {}
 
     def values_for(self, args) -> list:
-        # the caller's fakes, or the compile's (Dynamo may hand a backend real example inputs)
-        mode = _caller_fake_mode(args) or _compat.compile_fake_mode()
+        mode = _caller_fake_mode(args)
         key = id(mode)
         if key not in self.values:
-            # computed for real (constants only), then faked static-shaped as Dynamo fakes a buffer: a
-            # tensor constant met inside the caller's fake mode would get size symbols with no source
-            with _compat.no_fake_mode(), torch.no_grad():
-                real = [b() for b in self.buffers]
-            self.values[key] = real if mode is None else [mode.from_tensor(v, static_shapes=True) for v in real]
+            ctx = mode if mode is not None else _compat.no_fake_mode()
+            with ctx, torch.no_grad():
+                self.values[key] = [b() for b in self.buffers]
+            for k, v in enumerate(self.values[key] if mode is None else ()):
+                # Dynamo hands a backend real example inputs and records a buffer as static-shaped: so is
+                # this value when AOTAutograd fakes it (else with size symbols of no source, which fail
+                # Dynamo's guard building)
+                _compat.fake_as_static_input(v, f"metamorphic_buffer_{k}")
         return self.values[key]
 
     def __call__(self, *args):
