@@ -261,10 +261,8 @@ def _bucket_native(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS: tl.conste
         c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
         t = _table_load(TSP + 3 + c).to(tl.float32, bitcast=True)  # TSP[3 + NB] is NaN: never reached
         bk = c + (xf >= t).to(tl.int32)
-        if tsn.dtype != tl.float32:
-            tie = xf == t
-            if tsn.dtype != tl.float64:
-                tie = tie & (xf >= 16777216.0)  # below 2**24 integers are exact in fp32: a tie is equality
+        if tsn.dtype == tl.int32:  # below 2**24 integers are exact in fp32: a tie is equality
+            tie = (xf == t) & (xf >= 16777216.0)
             if tl.max(tl.max(tie.to(tl.int32), axis=1), axis=0) > 0:
                 bk = _bucket_search(tl.abs(tsj - tsn), TSB, NB, TS_STEPS)  # (tsj - tsn: not CSE'd with xf's)
     else:

@@ -492,7 +492,7 @@ def rewrite_delta(gm, plan):
 def describe_delta(plan) -> str:
     w, c = plan.params.max_attn_len, plan.params.contextual_seq_len
     parts = [f"N={plan.N}", f"D={plan.Dd}" if plan.Dd.is_Integer else "D=R//B (dynamic)", f"alpha={plan.alpha:g}",
-             f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
+             f"heads={lay.head_count(plan.head_modes)}"]
     parts.append(describe_scale(plan))
     if plan.num_targets is not None:
         parts.append(f"num_targets={plan.num_targets.name}")

@@ -20,7 +20,7 @@ import torch
 
 from . import attn_bias, attn_intervals, attn_tables
 from .attn_find import Operand, meta_val, op_name
-from .attn_layout import arg_value
+from .attn_layout import arg_value, head_count
 from .attn_structure import Plan, mode_key
 from .prover import is_static, sym_expr
 from .sizes import emit_source, size_source
@@ -222,7 +222,7 @@ def describe_scale(plan) -> str:
 
 
 def describe(plan: Plan) -> str:
-    parts = [f"N={plan.N}" + ("" if isinstance(plan.N, int) else " (symbolic)"), f"alpha={plan.alpha:g}", f"heads={math.prod(int(m[0]) for m in plan.head_modes)}"]
+    parts = [f"N={plan.N}" + ("" if isinstance(plan.N, int) else " (symbolic)"), f"alpha={plan.alpha:g}", f"heads={head_count(plan.head_modes)}"]
     parts.append(describe_scale(plan))
     if plan.num_targets is not None:
         parts.append(f"num_targets={plan.num_targets.name}")

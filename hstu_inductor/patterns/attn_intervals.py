@@ -17,7 +17,6 @@ NVIDIA's arbitrary mask or by hand is rewritten alike. The op takes the user's t
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -46,7 +45,7 @@ def find_intervals(s_order, s_leaves, sderived, plan) -> Intervals | None:
     with one dim of the jagged row count and one of size 3 (and at most one more, of size 1 or H);
     the one latest in graph order (nearest the mask) is taken: the proof checks what it means."""
     rows = meta_val(plan.q.src).shape[0]
-    H = math.prod(int(m[0]) for m in plan.head_modes)
+    H = lay.head_count(plan.head_modes)
     index = {n: i for i, n in enumerate(plan.S.graph.nodes)}
     best = None
     for n in [*s_order, *s_leaves]:
@@ -119,10 +118,7 @@ def bind(iv: Intervals | None, env: dict, binding: dict, gen, Np: int) -> None:
 def mask_at(iv: Intervals, off, Np, crd, head_modes, shape):
     """The interval mask (``reference.interval_mask``) at the score positions ``crd``."""
     m = interval_mask(iv.probe, off, Np)  # [B, heads, N, N]
-    h = 0
-    if iv.heads > 1:
-        for size, axis, stride in head_modes:
-            h = h * int(size) + (crd[axis] // int(stride)) % int(size)
+    h = lay.head_index(head_modes, crd) if iv.heads > 1 else 0
     return m[crd["b"], h, crd["i"], crd["j"]].expand(shape)
 
 

@@ -309,6 +309,19 @@ class _Coords(dict):
         return torch.zeros((), dtype=torch.int64)
 
 
+def head_count(head_modes) -> int:
+    """The number of heads of a candidate's score modes (``plan.head_modes``)."""
+    return math.prod(int(m[0]) for m in head_modes)
+
+
+def head_index(head_modes, crd):
+    """The linear head index (``0 .. H-1``) at logical coordinates ``crd`` (:func:`coords`)."""
+    h = 0
+    for size, axis, stride in head_modes:
+        h = h * int(size) + (crd[axis] // int(stride)) % int(size)
+    return h
+
+
 def coords(layout, shape) -> dict:
     """For every position of a tensor of ``shape`` with (concrete) ``layout``: its logical
     coordinate per axis, as int64 tensors broadcastable to ``shape`` (0 for an axis it does not carry)."""

@@ -66,6 +66,13 @@ class Chain:
         self.E = Elements(self.dom, leaves)
         self.E._versions(plan.S.graph)
 
+    def head(self):
+        """The score position's linear head index (``0 .. H-1``), symbolic (``attn_layout.head_index``)."""
+        h = sympy.Integer(0)
+        for size, axis, stride in self.plan.head_modes:
+            h = h * size + self.dom.mod(self.dom.floordiv(self.axes[axis], stride), size)
+        return h
+
     def position(self, layout) -> tuple:
         """Coordinates of the logical element ``(b, heads, i, j)`` in a tensor of ``layout``; a mode of
         an axis the scores do not carry (a value feature) gets a digit symbol of its own."""

@@ -129,10 +129,7 @@ def _prove_intervals(ch: Chain, mask, in_seq):
     iv = ch.plan.intervals
     idx = [None, None, None]
     row = off(ch.b) + ch.i
-    head = sympy.Integer(0)
-    if iv.heads > 1:
-        for size, axis, stride in ch.plan.head_modes:
-            head = head * size + ch.dom.mod(ch.dom.floordiv(ch.axes[axis], stride), size)
+    head = ch.head() if iv.heads > 1 else sympy.Integer(0)
     xs = []
     for k in range(3):
         idx = [None] * meta_val(iv.node).dim()

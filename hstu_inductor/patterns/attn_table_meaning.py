@@ -88,18 +88,13 @@ def _column(tc, T, cols, ch, in_seq) -> None:
     """The column a gather of table ``T`` reads: 0 of a ``[V]`` / ``[V, 1]`` table, or the score's own head of
     a ``[V, H]`` table (a column per head); records which in ``tc.heads``."""
     width = meta_val(T).shape[1] if meta_val(T).dim() == 2 else 1
-    heads = 1
-    for size, _, _ in ch.plan.head_modes:
-        heads *= int(size)
+    heads = lay.head_count(ch.plan.head_modes)
     if not lay.to_expr(width).is_Integer:
         raise Decline(f"table {T.name} has a symbolic number of columns")
     width = int(width)
     if width > 1 and width != heads:
         raise Decline(f"table {T.name} has {width} columns for {heads} heads")
-    h = sympy.Integer(0)
-    if width > 1:
-        for size, axis, stride in ch.plan.head_modes:
-            h = h * int(size) + ch.dom.mod(ch.dom.floordiv(ch.axes.get(axis, sympy.Integer(0)), stride), size)
+    h = ch.head() if width > 1 else sympy.Integer(0)
     col = cols[0] if cols else sympy.Integer(0)
     ok, _ = decide.valid(ch.dom, sympy.Eq(col, h, evaluate=False), in_seq)
     if not ok:

@@ -515,7 +515,7 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
         raise Decline(f"bias term {t.node.name} is not zero with zero tables (a part besides the table gathers)")
     bb, ii, jj = (crd[a].expand(shape) for a in ("b", "i", "j"))
     sel = in_seq.expand(shape)
-    heads = math.prod(int(m[0]) for m in plan.head_modes)
+    heads = lay.head_count(plan.head_modes)
     idx, flat = {}, {}
     for T in tabs:
         d = at({T: unique(T)})[sel]
@@ -527,10 +527,8 @@ def _probe_term(tc, gm, plan, env0, binding, off, Np, crd, shape, in_seq, gen):
         if cols > 1:  # a column per head: head h must read column h
             if cols != heads:
                 raise Decline(f"table {T.name} has {cols} columns for {heads} heads")
-            hh = 0
-            for size, axis, stride in plan.head_modes:
-                hh = hh * int(size) + (crd[axis] // int(stride)) % int(size)
-            if not torch.equal(flat[T] % cols, torch.as_tensor(hh).expand(shape)[sel]):
+            hh = torch.as_tensor(lay.head_index(plan.head_modes, crd)).expand(shape)[sel]
+            if not torch.equal(flat[T] % cols, hh):
                 raise Decline(f"bias term {t.node.name} reads a column of {T.name} other than its head's")
         tc.heads[T] = cols > 1
         idx[T] = flat[T] // cols

@@ -166,11 +166,12 @@ class _WithBuffers:
             ctx = mode if mode is not None else _compat.no_fake_mode()
             with ctx, torch.no_grad():
                 self.values[key] = [b() for b in self.buffers]
-            for k, v in enumerate(self.values[key] if mode is None else ()):
+            if mode is None:
                 # Dynamo hands a backend real example inputs and records a buffer as static-shaped: so is
                 # this value when AOTAutograd fakes it (else with size symbols of no source, which fail
                 # Dynamo's guard building)
-                _compat.fake_as_static_input(v, f"metamorphic_buffer_{k}")
+                for k, v in enumerate(self.values[key]):
+                    _compat.fake_as_static_input(v, f"metamorphic_buffer_{k}")
         return self.values[key]
 
     def __call__(self, *args):
