@@ -717,3 +717,8 @@ def trace_json_artifact(name: str, payload_fn) -> None:
         return
     trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "json"},
                      payload_fn=lambda: json.dumps(payload_fn(), default=str, indent=1))
+
+
+def below_autograd():
+    """A context that dispatches below the Autograd key (an autograd kernel calling its op's own kernel)."""
+    return torch._C._AutoDispatchBelowAutograd()

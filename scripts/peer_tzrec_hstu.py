@@ -21,14 +21,13 @@ import sys
 
 import torch
 
-try:
-    import fbgemm_gpu  # noqa: F401  (torch.ops.fbgemm, which the file calls)
-except ImportError:
-    sys.exit("fbgemm_gpu is needed: the original code pads with torch.ops.fbgemm")
-
 import hstu_inductor
 import hstu_inductor.backend as hb
 from hstu_inductor.report import collecting
+from hstu_inductor.testing import fbgemm_shim
+
+# torch.ops.fbgemm, which the file calls: fbgemm_gpu, else two of its ops in plain PyTorch
+FBGEMM_SHIM = fbgemm_shim.install()
 
 
 def load(root):
@@ -109,6 +108,8 @@ def main():
                     help="config.rab_tables: auto (the default: tables in training), on (path b), off (dense)")
     args = ap.parse_args()
     hstu = load(args.root)
+    if FBGEMM_SHIM:
+        print("fbgemm_gpu not installed: its jagged_to_padded_dense / dense_to_jagged in plain PyTorch (fbgemm_shim)")
     ok = True
     with hstu_inductor.config.patch(rab_tables={"auto": "auto", "on": True, "off": False}[args.tables]):
         for train in (False, True):
