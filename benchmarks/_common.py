@@ -30,3 +30,33 @@ def peak_mib(step) -> tuple:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     return (peak - base) / 2 ** 20, peak / 2 ** 20
+
+
+def layer_args(ap, batch: int = 32, n: int = 1024) -> None:
+    """The sizes, timing and output options of the layer benchmarks (B, N, E, H, D, do_bench rep, out dir)."""
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--n", type=int, default=n)
+    ap.add_argument("--embedding", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--rep", type=int, default=200, help="do_bench rep time in ms")
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
+
+
+def compiled_with_counts(model, inputs, backend: str):
+    """(``torch.compile(model, backend=backend)``, "attention/preprocess/output" rewrite counts or "" for stock
+    Inductor) from a fresh Dynamo: the counts from ``explain`` on the eager backend, then a reset, so the
+    compiled model's first call is its own first compile."""
+    import torch
+
+    import hstu_inductor
+
+    torch._dynamo.reset()
+    counts = ""
+    if backend == "hstu":
+        rep = hstu_inductor.explain(model, *inputs, backend="hstu_eager")
+        counts = "/".join(str(rep.counts[k]) for k in ("attention", "preprocess", "output"))
+        if rep.near_misses:
+            logging.getLogger("hstu_inductor.benchmarks").info("near misses: %s", rep.near_misses)
+        torch._dynamo.reset()
+    return torch.compile(model, backend=backend), counts

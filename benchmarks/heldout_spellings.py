@@ -244,10 +244,9 @@ def fake(names, B=128, N=4096, E=512, H=4, D=128):
 
 
 def bench(names, args):
-    import hstu_inductor
     from triton.testing import do_bench
 
-    from _common import write_csv
+    from _common import compiled_with_counts, write_csv
 
     device, dtype = "cuda", getattr(torch, args.dtype)
     rows = []
@@ -261,13 +260,7 @@ def bench(names, args):
         (dx_ref,) = torch.autograd.grad(ref, x, gy)
         times = {}
         for backend in ("inductor", "hstu"):
-            torch._dynamo.reset()
-            counts = ""
-            if backend == "hstu":
-                rep = hstu_inductor.explain(model, *inputs, backend="hstu_eager")
-                counts = "/".join(str(rep.counts[k]) for k in ("attention", "preprocess", "output"))
-                torch._dynamo.reset()
-            compiled = torch.compile(model, backend=backend)
+            compiled, counts = compiled_with_counts(model, inputs, backend)
 
             def step():
                 y = compiled(*inputs)

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import compiled_with_counts, layer_args  # noqa: E402
+
 log = logging.getLogger("stu_rab_layer")
 
 
@@ -116,7 +118,6 @@ def _grads(model, inputs, gy):
 
 
 def run(args, providers):
-    import hstu_inductor
     from hstu_inductor import config
 
     device = "cuda" if torch.cuda.is_available() and not args.check else "cpu"
@@ -136,15 +137,7 @@ def run(args, providers):
         backend = "inductor" if prov.endswith("inductor") else "hstu"
         tables = {"hstu_tables": True, "hstu_dense": False}.get(prov, config.rab_tables)
         with config.patch(rab_tables=tables):
-            torch._dynamo.reset()
-            counts = ""
-            if backend == "hstu":
-                rep = hstu_inductor.explain(model, *inputs, backend="hstu_eager")
-                counts = "/".join(str(rep.counts[k]) for k in ("attention", "preprocess", "output"))
-                if rep.near_misses:
-                    log.info("%s near misses: %s", prov, rep.near_misses)
-                torch._dynamo.reset()
-            compiled = torch.compile(model, backend=backend)
+            compiled, counts = compiled_with_counts(model, inputs, backend)
 
             def step():
                 return _grads(compiled, inputs, gy)
@@ -175,13 +168,7 @@ def main():
     ap.add_argument("--gap", choices=["next", "own"], default="next",
                     help="time gap ts(next(i)) - ts(j) (the original HSTU's) or ts(i) - ts(j)")
     ap.add_argument("--check", action="store_true", help="small CPU run (B=4, N=32): rewrites and errors")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--n", type=int, default=1024)
-    ap.add_argument("--embedding", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--rep", type=int, default=200, help="do_bench rep time in ms")
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
+    layer_args(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.check:

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
 sys.path.insert(0, HERE)
 
 import peer_tzrec_hstu as peer  # noqa: E402  (the encoder, the file's loader, the fbgemm shim)
+from _common import compiled_with_counts, layer_args  # noqa: E402
 
 
 def make_inputs(B, N, E, device, dtype, seed=0):
@@ -51,7 +52,6 @@ def _grads(model, inputs, gy):
 
 
 def run(args):
-    import hstu_inductor
     from hstu_inductor import config
 
     hstu = peer.load(args.root)
@@ -70,13 +70,7 @@ def run(args):
         want = _grads(ref_model, (inputs[0].float(),) + inputs[1:], gy.float())
         backend = "inductor" if prov == "inductor" else "hstu"
         with config.patch(rab_tables=False if prov == "hstu_dense" else config.rab_tables):
-            counts = ""
-            torch._dynamo.reset()
-            if backend == "hstu":
-                rep = hstu_inductor.explain(model, *inputs, backend="hstu_eager")
-                counts = "/".join(str(rep.counts[k]) for k in ("attention", "preprocess", "output"))
-                torch._dynamo.reset()
-            compiled = torch.compile(model, backend=backend)
+            compiled, counts = compiled_with_counts(model, inputs, backend)
 
             def step():
                 return _grads(compiled, inputs, gy)
@@ -103,13 +97,7 @@ def main():
     ap.add_argument("root", nargs="?", default="/tmp/TorchEasyRec")
     ap.add_argument("--providers", nargs="+", default=provs, choices=provs)
     ap.add_argument("--check", action="store_true", help="small CPU run (B=4, N=32, fp32): rewrites and errors")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--n", type=int, default=1024)
-    ap.add_argument("--embedding", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--rep", type=int, default=200, help="do_bench rep time in ms")
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "out")))
+    layer_args(ap)
     args = ap.parse_args()
     if args.check:
         args.batch, args.n, args.embedding, args.heads, args.dim = 4, 32, 32, 2, 8
