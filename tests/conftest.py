@@ -49,6 +49,19 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+@pytest.fixture(autouse=True)
+def _gpu_tests_untuned(request):
+    """GPU tests run the attention kernels' default config (one compile per kernel, not one per tuning config),
+    unless HSTU_INDUCTOR_AUTOTUNE is set; the ``every_*config`` tests check each tuning config on its own."""
+    if request.node.get_closest_marker("gpu") is None or "HSTU_INDUCTOR_AUTOTUNE" in os.environ:
+        yield
+        return
+    from hstu_inductor import config
+
+    with config.patch(autotune=False):
+        yield
+
+
 @pytest.fixture
 def dispatch_choices(monkeypatch):
     """Per call of a cost-rule ``SizeDispatch`` (hstu_inductor/cost_rule.py): True when it ran stock Inductor's graph."""

@@ -720,3 +720,31 @@ def test_gpu_tables_per_head(tma, poison, monkeypatch):
         monkeypatch.setattr(config, "bwd_algo", algo)
         _check(q, k, v, dout, off, n, 1.0 / D, tables=(ts, pos_w, ts_w), tma=tma, deterministic=algo == "split",
                num_targets=nt.to(DEV))
+
+
+def _table_configs():
+    return [(kind, cfg) for kind in ("fwd", "dkdv") for cfg in K._GPU_CONFIGS[(kind, "small")]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kind,cfg", _table_configs(), ids=repr)
+def test_gpu_tables_every_config(kind, cfg, poison, monkeypatch):
+    """The autotuner may pick any listed config for the table kernels: each forward and dK/dV (dQ atomics, the
+    tables' default) config at N=1024, bf16, per-head tables with time buckets, against the fp64 reference."""
+    from triton.runtime.errors import OutOfResources
+
+    n, H, D, nb = 1024, 2, 128, 128
+    q, k, v, dout, off, nt = _gpu_batch(False, 4, n, H, D, torch.bfloat16, seed=23)
+    lengths = (off[1:] - off[:-1]).tolist()
+    ts, _, _ = _bounded_tables(lengths, n, nb, torch.int64, "wide", seed=24)
+    g = torch.Generator().manual_seed(25)
+    pos_w = (0.5 * torch.randn(H, 2 * n - 1, generator=g)).to(DEV)
+    ts_w = (0.5 * torch.randn(H, nb + 1, generator=g)).to(DEV)
+    monkeypatch.setattr(config, "bwd_algo", "atomic")
+    try:
+        with K.force_configs(**{kind: cfg}):
+            _check(q, k, v, dout, off, n, 1.0 / D, tables=(ts, pos_w, ts_w), deterministic=False,
+                   num_targets=nt.to(DEV))
+    except OutOfResources:  # the autotuner drops configs this GPU cannot hold
+        pytest.skip(f"{kind} {cfg} does not fit this GPU")
