@@ -107,9 +107,10 @@ class _Spelling(torch.nn.Module):
         return self.fn(q, k, v, offsets)
 
 
-# `make test` exports one spelling; `-m slow` the other too (the export path is the same)
-@pytest.mark.parametrize("name", ["einsum_index_put_tril",
-                                  pytest.param("matmul_index_copy_where", marks=pytest.mark.slow)])
+# `-m slow`: an attention-only program per spelling through AOTInductor. `make test` packages attention in
+# the STU model (stu_package) and with the bias tables (test_aoti_package_tables): the same export path.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["einsum_index_put_tril", "matmul_index_copy_where"])
 def test_attention_spelling_export(name, tmp_path):
     torch.manual_seed(11)
     model = _Spelling(getattr(sp, name))
