@@ -709,17 +709,23 @@ def test_gpu_tables_ts_bounds(span, kind, poison, monkeypatch):
 def test_gpu_tables_per_head(tma, poison, monkeypatch):
     """Per-head tables on the GPU, bf16, N=512, H=4, 128 buckets: both tables [H, ...], forward and every
     gradient, both backward algorithms."""
-    n, H, D, nb = 512, 4, 128, 128
-    q, k, v, dout, off, nt = _gpu_batch(tma, 8, n, H, D, torch.bfloat16, seed=17)
-    lengths = (off[1:] - off[:-1]).tolist()
-    ts, _, _ = _bounded_tables(lengths, n, nb, torch.int64, "wide", seed=18)
-    g = torch.Generator().manual_seed(19)
-    pos_w = (0.5 * torch.randn(H, 2 * n - 1, generator=g)).to(DEV)
-    ts_w = (0.5 * torch.randn(H, nb + 1, generator=g)).to(DEV)
+    n, D = 512, 128
+    q, k, v, dout, off, nt, tables = _gpu_per_head_case(tma, 8, n, 4, D, seed=17)
     for algo in ("split", "atomic"):
         monkeypatch.setattr(config, "bwd_algo", algo)
-        _check(q, k, v, dout, off, n, 1.0 / D, tables=(ts, pos_w, ts_w), tma=tma, deterministic=algo == "split",
+        _check(q, k, v, dout, off, n, 1.0 / D, tables=tables, tma=tma, deterministic=algo == "split",
                num_targets=nt.to(DEV))
+
+
+def _gpu_per_head_case(tma, B, n, H, D, seed, nb=128):
+    """A bf16 batch with int64 timestamps (wide span) and per-head tables ``[H, 2n-1]``, ``[H, nb+1]``:
+    (q, k, v, dout, offsets, num_targets, (timestamps, pos_w, ts_w)); seeds ``seed`` .. ``seed + 2``."""
+    q, k, v, dout, off, nt = _gpu_batch(tma, B, n, H, D, torch.bfloat16, seed=seed)
+    ts, _, _ = _bounded_tables((off[1:] - off[:-1]).tolist(), n, nb, torch.int64, "wide", seed=seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    pos_w = (0.5 * torch.randn(H, 2 * n - 1, generator=g)).to(DEV)
+    ts_w = (0.5 * torch.randn(H, nb + 1, generator=g)).to(DEV)
+    return q, k, v, dout, off, nt, (ts, pos_w, ts_w)
 
 
 def _table_configs():
@@ -734,17 +740,11 @@ def test_gpu_tables_every_config(kind, cfg, poison, monkeypatch):
     tables' default) config at N=1024, bf16, per-head tables with time buckets, against the fp64 reference."""
     from triton.runtime.errors import OutOfResources
 
-    n, H, D, nb = 1024, 2, 128, 128
-    q, k, v, dout, off, nt = _gpu_batch(False, 4, n, H, D, torch.bfloat16, seed=23)
-    lengths = (off[1:] - off[:-1]).tolist()
-    ts, _, _ = _bounded_tables(lengths, n, nb, torch.int64, "wide", seed=24)
-    g = torch.Generator().manual_seed(25)
-    pos_w = (0.5 * torch.randn(H, 2 * n - 1, generator=g)).to(DEV)
-    ts_w = (0.5 * torch.randn(H, nb + 1, generator=g)).to(DEV)
+    n, D = 1024, 128
+    q, k, v, dout, off, nt, tables = _gpu_per_head_case(False, 4, n, 2, D, seed=23)
     monkeypatch.setattr(config, "bwd_algo", "atomic")
     try:
         with K.force_configs(**{kind: cfg}):
-            _check(q, k, v, dout, off, n, 1.0 / D, tables=(ts, pos_w, ts_w), deterministic=False,
-                   num_targets=nt.to(DEV))
+            _check(q, k, v, dout, off, n, 1.0 / D, tables=tables, deterministic=False, num_targets=nt.to(DEV))
     except OutOfResources:  # the autotuner drops configs this GPU cannot hold
         pytest.skip(f"{kind} {cfg} does not fit this GPU")
