@@ -184,8 +184,7 @@ HEAVY = (
     "tests/kernels/test_attention_kernels.py::test_target_sweep_fwd_bwd",
     "tests/kernels/test_attention_kernels.py::test_block_shapes_and_skipping_bounds",
     # spawned gloo process pairs (each imports torch and compiles the model on every rank)
-    "tests/distributed/test_ddp.py",
-    "tests/distributed/test_fsdp.py",
+    "tests/distributed/test_ddp_fsdp.py",
     "tests/patterns/test_production_sizes.py::test_public_style_stacks",
     "tests/patterns/test_production_sizes.py::test_real_compile_b16_n2048_equal_to_eager",
     "tests/patterns/test_attention_dynamic_true.py::test_dynamic_true_rewritten_and_equal",

@@ -19,7 +19,7 @@ from .attention_jit import (_CONTEXT, _bias_grad, _bias_operands, _bwd_query_ran
 
 
 @triton.jit
-def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
+def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
                    stride_dqm, stride_sm, start_m, offs_n, n0, pi_n, n, M, ml, alpha, DQ, DV,
                    RB, GB, x0, x1, x2,
                    MASKED: tl.constexpr, MASK: tl.constexpr, SCALE_MODE: tl.constexpr,
@@ -37,9 +37,17 @@ def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm,
         sc = tl.load(S_base + offs_m * stride_sm, mask=offs_m < n, other=0.0).to(tl.float32)
         do = (do.to(tl.float32) * sc[:, None]).to(q.dtype)
     s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
-    dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-    s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], start_m, n0, n, HAS_RAB, HAS_POS, HAS_TS,
-                           TS_STEPS)
+    if HAS_POS and HAS_TS:
+        # both tables: the bias before dP, so that its temporaries and dP's accumulator are not live at once
+        # (fewer spills at the register cap; faster at every config measured, though it no longer overlaps dP's
+        # MMA; with one table the overlap wins: benchmarks/RESULTS.md, 2026-11-29)
+        s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], start_m, n0, n, HAS_RAB, HAS_POS,
+                               HAS_TS, TS_STEPS)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+    else:
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], start_m, n0, n, HAS_RAB, HAS_POS,
+                               HAS_TS, TS_STEPS)
     if FAST == 2:
         p16, ds16 = _silu_bwd_packed((s_t * (0.5 * a)).to(q.dtype), dp_t.to(q.dtype))
     else:
@@ -56,8 +64,8 @@ def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm,
         ds16 = tl.where(ok, ds16, 0.0)
     if RAB_GRAD != 0 or TAB_GRAD:
         # bias gradients are dS_pre (per-row scales are already in dO; GB carries a scalar scale)
-        hist = _bias_grad(ds16, bk, hist, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD, TAB_GRAD, HAS_POS, HAS_TS,
-                          BLOCK_M, ds16.shape[0], TS_STEPS)
+        _bias_grad(ds16, bk, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD, TAB_GRAD, HAS_POS, HAS_TS, BLOCK_M,
+                   ds16.shape[0])
     dv = tl.dot(p16, do, dv, input_precision=PREC)
     dk = tl.dot(ds16, q, dk, input_precision=PREC)
     if DQ_MODE == 1:
@@ -78,11 +86,11 @@ def _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm,
     elif DQ_MODE == 2:
         dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
         DQ_dst.atomic_add([start_m, 0], dq)
-    return dk, dv, hist
+    return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
+def _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom, stride_dod,
                     stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, ml, alpha, DQ, DV,
                     RB, GB, IV_h, stride_ir, stride_ic,
                     n0, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK: tl.constexpr, SCALE_MODE: tl.constexpr,
@@ -99,17 +107,17 @@ def _bwd_dkdv_inner(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm
             key_hi = tl.minimum(n0 + BLOCK_N, n)
             row_hit = (x0 > n0) | (tl.maximum(x1, n0) < tl.minimum(x2, key_hi))
             if tl.max(row_hit.to(tl.int32), axis=0) > 0:
-                dk, dv, hist = _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd,
+                dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd,
                                         stride_dom, stride_dod, stride_dqm, stride_sm, start_m, offs_n, n0, pi_n, n, M, ml, alpha, DQ, DV, RB, GB, x0, x1, x2, MASKED, MASK, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ,
                                         EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS,
                                         HAS_TS, TAB_GRAD, TS_STEPS)
         else:
-            dk, dv, hist = _bwd_dkdv_step(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
+            dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, stride_qd, stride_dom,
                                     stride_dod, stride_dqm, stride_sm, start_m, offs_n, n0, pi_n, n, M, ml, alpha,
                                     DQ, DV, RB, GB,
                                     offs_m0, offs_m0, offs_m0, MASKED, MASK, SCALE_MODE, TMA, DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M,
                                     BLOCK_DQ, BLOCK_DV, HAS_RAB, RAB_GRAD, HAS_IV, HAS_POS, HAS_TS, TAB_GRAD, TS_STEPS)
-    return dk, dv, hist
+    return dk, dv
 
 
 @triton.jit
@@ -199,10 +207,6 @@ def _hstu_bwd_dkdv_kernel(
     GB = (DRAB_b, stride_gi, stride_gj, DPOS_s, DTS_s, gsc, MAX_N)
     dk = tl.zeros([BLOCK_N, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    if TAB_GRAD and HAS_TS:  # d ts_w of this program, per bucket (_bias_grad)
-        hist = tl.zeros([1 << TS_STEPS], dtype=tl.float32)
-    else:
-        hist = 0.0
     # Query-row segments (_bwd_query_range): [0, cb) contextual rows (masked), [qa, qf) masked, [qf, qe)
     # full, [qe, qz) masked. Intervals: one masked segment over all rows, each block skipped unless one
     # of its rows sees this key block.
@@ -220,7 +224,7 @@ def _hstu_bwd_dkdv_kernel(
                 lo, hi = qf, qe
             else:
                 lo, hi = qe, qz
-            dk, dv, hist = _bwd_dkdv_inner(dk, dv, hist, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_src, DO_src, DQ_dst, s_base, stride_qm, stride_qd, stride_dom,
                                      stride_dod, stride_dqm, stride_sm, lo, hi, offs_n, pi_n, n, M, ml, alpha, DQ, DV, RB, GB, IV_h, stride_ir, stride_ic, n0, BLOCK_N,
                                      seg != 2, MASK, SCALE_MODE, TMA,
                                      DQ_MODE, FAST, PREC, EVEN_DQ, EVEN_DV, BLOCK_M, BLOCK_DQ, BLOCK_DV, HAS_RAB,
@@ -232,9 +236,6 @@ def _hstu_bwd_dkdv_kernel(
         sc = tl.load(ATTN_SCALE).to(tl.float32)
     else:
         sc = 1.0
-    if TAB_GRAD and HAS_TS:  # the program's d ts_w into its copy: NB + 1 atomics per program, not per tile
-        slots = tl.arange(0, 1 << TS_STEPS)
-        tl.atomic_add(DTS_s + slots, hist, mask=slots <= NB, sem="relaxed")
     dk = (dk * (alpha * sc)).to(DK.dtype.element_ty)
     dv = (dv * sc).to(DVo.dtype.element_ty)
     dk_dst = _rows(dk_base, n, DQ, stride_dkm, BLOCK_N, BLOCK_DQ, TMA)

@@ -365,21 +365,20 @@ def _pre_silu(s, alpha, RB, rows, cols, i0, j0, n, HAS_RAB: tl.constexpr, HAS_PO
 
 
 @triton.jit
-def _bias_grad(ds, bk, hist, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, TAB_GRAD: tl.constexpr,
-               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               TS_STEPS: tl.constexpr):
+def _bias_grad(ds, bk, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, TAB_GRAD: tl.constexpr,
+               HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Bias gradients from one transposed dS tile ``ds[j, i]`` (keys ``offs_n`` x queries ``offs_m``, zero
     where invalid). RAB_GRAD 1: store d rab (each element has one writer); 2: fp32 atomics into a buffer
-    of rab's broadcast shape (strides 0 on broadcast dims). TAB_GRAD: d pos_w by diagonal sums, atomics into
-    this program's copy; d ts_w into ``hist``, this program's per-bucket sums in registers (returned; the
-    kernel adds it to its copy once, at the end): never an atomic per score element.
+    of rab's broadcast shape (strides 0 on broadcast dims). TAB_GRAD: into this program's copy of each table
+    gradient, d pos_w by diagonal sums, d ts_w by per-row sums per bucket: never an atomic per score element.
 
-    Mutation analysis (torch's triton_kernel_wrap, what AOTAutograd functionalizes by): an address written
-    here must not depend on a value returned by a helper that received input pointers (it then counts all of
-    them as written: pos_w / ts_w as leaves mutated in place). So the bucket ``bk`` (from :func:`_pre_silu`)
-    only indexes registers, and N comes in GB (a kernel argument), not RB (:func:`_bias_operands`' result)."""
+    Mutation analysis (torch's triton_kernel_wrap, what AOTAutograd functionalizes by): a write address is traced
+    back through every op but a load, and through a helper call to every pointer the helper received. So N comes
+    in GB (a kernel argument), not RB (:func:`_bias_operands`' result), and the d ts_w slot, derived from the
+    bucket (:func:`_pre_silu` reads pos_w / ts_w / timestamps), is read back as a load that never touches memory
+    (mask off, the value from ``other``), here and not in a helper; else those inputs count as written and
+    compiled training fails on leaves mutated in place."""
     DRAB_b, stride_gi, stride_gj, DPOS, DTS, gsc, MAXN = GB
-    NB = RB[6]
     g = ds.to(tl.float32) * gsc
     if RAB_GRAD != 0:
         # 32-bit offsets from the (b, h) base (the buffer is ours, N^2 < 2^31): 64-bit per-element pointers
@@ -401,14 +400,17 @@ def _bias_grad(ds, bk, hist, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.co
                 idx = MAXN - 1 + offs_n - start_m - wv * BLOCK_N
                 tl.atomic_add(DPOS + idx, part, mask=(idx >= 0) & (idx < 2 * MAXN - 1), sem="relaxed")
         if HAS_TS:
-            # one masked tile sum per bucket present in the tile (few off the diagonal: log buckets)
+            # per key row, its buckets relative to the row's lowest: a row spans few (the gap grows along it
+            # when timestamps increase; the diagonal's rows span more). Each row sum stays inside the warp
+            # that holds the row (no tile-wide reduction but the span), then one atomic per row and bucket.
             nz = g != 0.0
-            k_lo = tl.min(tl.where(nz, bk, NB))
-            k_hi = tl.max(tl.where(nz, bk, 0))
-            slots = tl.arange(0, 1 << TS_STEPS)
-            for kk in range(k_lo, k_hi + 1):
-                hist += tl.where(slots == kk, tl.sum(tl.where(bk == kk, g, 0.0)), 0.0)
-    return hist
+            b0 = tl.min(tl.where(nz, bk, 1 << 30), axis=1)
+            span = tl.max(tl.max(tl.where(nz, bk - b0[:, None], 0), axis=1), axis=0)
+            for d in range(0, span + 1):
+                kk = b0 + d
+                rs = tl.sum(tl.where(bk == kk[:, None], g, 0.0), axis=1)
+                slot = tl.load(DTS.to(tl.pointer_type(tl.int32), bitcast=True) + kk * 0, mask=kk < 0, other=kk)
+                tl.atomic_add(DTS + slot, rs, mask=rs != 0.0, sem="relaxed")
 
 
 @triton.jit

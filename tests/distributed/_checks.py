@@ -1,6 +1,6 @@
 """Assertions shared by the multi-process test files."""
 from _launch import run_workers
-from _workers import LAYERS, ddp_cases, fsdp_cases
+from _workers import LAYERS, all_cases
 
 ALL = {"attention": LAYERS, "preprocess": LAYERS, "output": LAYERS}
 
@@ -11,10 +11,10 @@ def block_misses(near_misses) -> list:
     return [(k, r) for k, r in near_misses if "is not split into four chunks" not in r]
 
 
-def run_cases(*cases: str) -> dict:
-    """``{case: per-rank results}`` of cases from _workers.DDP_CASES, run in turn by one pair of gloo
-    processes."""
-    per_rank = run_workers(ddp_cases, world=2, args=(cases,), timeout=240)
+def run_cases(*cases) -> dict:
+    """``{case: per-rank results}`` of cases (_workers.DDP_CASES keys, FSDP2 ``(shard, compile)`` variants),
+    run in turn by one pair of gloo processes."""
+    per_rank = run_workers(all_cases, world=2, args=(cases,), timeout=300)
     return {c: [r[c] for r in per_rank] for c in cases}
 
 
@@ -48,9 +48,3 @@ def check_fsdp(ranks, per_kind: int, tol=1e-5):
         assert r["grad_norm"] > 0 and not r["missing_grads"]
         assert r["loss_err"] < tol and max(r["grad_errs"]) < tol, (r["loss_err"], r["grad_errs"])
     assert ranks[0]["loss"] != ranks[1]["loss"]  # different batches per rank
-
-
-def fsdp_results(variants) -> dict:
-    """{(shard, compile): [rank0, rank1]} for _workers.fsdp_cases, one pair of processes for all."""
-    per_rank = run_workers(fsdp_cases, world=2, args=(list(variants),), timeout=240)
-    return {v: [r[v] for r in per_rank] for v in variants}

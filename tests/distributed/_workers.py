@@ -266,19 +266,6 @@ def case_python_reducer(rank, world, pieces):
 DDP_CASES = {"ddp": case_ddp, "sharded_embedding": case_sharded_embedding, "python_reducer": case_python_reducer}
 
 
-def ddp_cases(rank, world, names):
-    import hstu_inductor  # noqa: F401  (registers the backend and the DDP pre-split hook)
-
-    pieces = fast_inner_compile()
-    small_buckets()
-    out = {}
-    for name in names:
-        start = time.perf_counter()
-        out[name] = DDP_CASES[name](rank, world, pieces)
-        out[name]["seconds"] = time.perf_counter() - start
-    return out
-
-
 # ------------------------------------------------------------------------------------------
 # FSDP2 (torch.distributed.fsdp.fully_shard on a CPU device mesh)
 # ------------------------------------------------------------------------------------------
@@ -297,32 +284,51 @@ def _fsdp_model(shard: str, compile_blocks: bool, mesh, compiled: bool):
     return model, fwd
 
 
-def fsdp_cases(rank, world, variants):
-    """``variants``: (shard, compile) pairs; shard "layer" (fully_shard per STU layer, then the
-    root) or "root" (the whole model only); compile "whole" (torch.compile(model)) or "block"
-    (each STU layer's ``.compile()``). Gradients compared shard by shard (local tensors)."""
-    import hstu_inductor  # noqa: F401
-    from torch.distributed.device_mesh import init_device_mesh
+def fsdp_variant(rank, mesh, shard: str, comp: str) -> dict:
+    """``shard`` "layer" (fully_shard per STU layer, then the root) or "root" (the whole model only);
+    ``comp`` "whole" (torch.compile(model)) or "block" (each STU layer's ``.compile()``). Gradients
+    compared shard by shard (local tensors)."""
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model, fwd = _fsdp_model(shard, comp == "block", mesh, compiled)
 
-    fast_inner_compile()
-    mesh = init_device_mesh("cpu", (world,))
+        def step(ids, offsets, labels):
+            loss = F.cross_entropy(fwd(ids, offsets), labels)
+            loss.backward()
+            return loss
+
+        report, loss, grads = run_step(step, model, *rank_batch(rank))
+        runs.append((report, loss, [g.to_local() if g is not None else None for g in grads]))
+    res = compare(*runs)
+    res.update(**dynamo_stats())
+    return res
+
+
+# ------------------------------------------------------------------------------------------
+# One pair of processes for every case
+# ------------------------------------------------------------------------------------------
+
+def all_cases(rank, world, names):
+    """Each of ``names`` in turn in this process: a DDP_CASES key or an FSDP2 ``(shard, compile)`` variant.
+    One pair of processes for all: each spawned process spends seconds importing torch and the package
+    before its first case."""
+    import hstu_inductor  # noqa: F401  (registers the backend and the DDP pre-split hook)
+
+    pieces = fast_inner_compile()
+    small_buckets()
+    mesh = None
     out = {}
-    for shard, comp in variants:
+    for name in names:
         start = time.perf_counter()
-        runs = []
-        for compiled in (False, True):
-            torch._dynamo.reset()
-            torch._dynamo.utils.counters.clear()
-            model, fwd = _fsdp_model(shard, comp == "block", mesh, compiled)
+        if isinstance(name, tuple):
+            if mesh is None:
+                from torch.distributed.device_mesh import init_device_mesh
 
-            def step(ids, offsets, labels):
-                loss = F.cross_entropy(fwd(ids, offsets), labels)
-                loss.backward()
-                return loss
-
-            report, loss, grads = run_step(step, model, *rank_batch(rank))
-            runs.append((report, loss, [g.to_local() if g is not None else None for g in grads]))
-        res = compare(*runs)
-        res.update(seconds=time.perf_counter() - start, **dynamo_stats())
-        out[(shard, comp)] = res
+                mesh = init_device_mesh("cpu", (world,))
+            out[name] = fsdp_variant(rank, mesh, *name)
+        else:
+            out[name] = DDP_CASES[name](rank, world, pieces)
+        out[name]["seconds"] = time.perf_counter() - start
     return out
