@@ -89,12 +89,23 @@ def main():
     ap.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS + BREAKDOWN)
     ap.add_argument("--profile", action="store_true", help="log the CUDA time per kernel of each provider")
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--configs", nargs="+", default=[], metavar="KIND=BM,BN,WARPS,STAGES",
+                    help="fixed kernel configs instead of the autotuner's, e.g. fwd=64,32,4,3 dkdv=32,64,4,3 "
+                         "(kernels fwd / dkdv / dq; the providers that call the op directly)")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     import hstu_inductor  # noqa: F401  (registers torch.ops.hstu)
+    from hstu_inductor.kernels.attention import force_configs
     from hstu_inductor.reference import hstu_mha, relative_bias
+
+    configs = {c.split("=")[0]: tuple(int(x) for x in c.split("=")[1].split(",")) for c in args.configs}
+    with force_configs(**configs):
+        _run(args, hstu_mha, relative_bias)
+
+
+def _run(args, hstu_mha, relative_bias):
     from triton.testing import do_bench
 
     dev, dt = "cuda", torch.bfloat16

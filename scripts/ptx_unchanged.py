@@ -1,6 +1,8 @@
 """Compile the attention kernels for sm90 on a GPU-less machine and diff their PTX against a git revision.
 
     .venv/bin/python scripts/ptx_unchanged.py [REV]      (REV defaults to HEAD; compares the working tree)
+    .venv/bin/python scripts/ptx_unchanged.py --features[=all] [dkdv=32,64,4,3 fwd=64,32,4,3] [--dq-mode=3]
+                                                         (registers / spills of the bias variants at a config)
 
 Used to show that a new constexpr feature (rab, intervals) leaves the kernels compiled without it
 unchanged: the PTX bodies must be identical, only the appended (unused) parameters may differ.
@@ -66,7 +68,7 @@ CONSTEXPR = {"MASK", "CAUSAL", "HAS_TGT", "HAS_CTX", "HAS_WINDOW", "HAS_MINFULL"
              "DQ_MODE", "HAS_RAB", "RAB_GRAD", "HAS_IV", "HAS_POS", "HAS_TS", "TAB_GRAD", "TS_STEPS", "TAB_HEADS"}
 
 
-def _values(kind, tma, dq_mode=0):
+def _values(kind, tma, dq_mode=0, blocks=None):
     ptr = ("bf16",)
     v = {n: 16 for n in ("stride_qm", "stride_qh", "stride_km", "stride_kh", "stride_vm", "stride_vh", "stride_om",
                          "stride_oh", "stride_dom", "stride_doh", "stride_dqm", "stride_dqh", "stride_dkm",
@@ -87,7 +89,7 @@ def _values(kind, tma, dq_mode=0):
     v.update({n: 0 for n in ("stride_rb", "stride_rh", "stride_ri", "stride_rj", "stride_ih", "stride_ir",
                              "stride_ic", "stride_gb", "stride_gh", "stride_gi", "stride_gj", "stride_pc",
                              "stride_tc")})
-    blocks = {"fwd": (128, 64, 8, 2), "dkdv": (64, 128, 8, 3), "dq": (128, 64, 8, 3)}[kind]
+    blocks = blocks or {"fwd": (128, 64, 8, 2), "dkdv": (64, 128, 8, 3), "dq": (128, 64, 8, 3)}[kind]
     v.update(BLOCK_M=blocks[0], BLOCK_N=blocks[1])
     if kind != "dkdv":
         v["Q_IN_REGS"] = False
@@ -123,9 +125,9 @@ FULL_MASK = dict(HAS_CTX=True, HAS_WINDOW=True, HAS_MINFULL=True, CTX=3, WINDOW=
                  MASK=31, ML0=3, ML1=100, ML2=50)
 
 
-def _ptx(mod, kind, tma, dq_mode=0, extra=None, kernel=False, mask=None):
+def _ptx(mod, kind, tma, dq_mode=0, extra=None, kernel=False, mask=None, blocks=None):
     fn = {"fwd": mod._hstu_fwd_kernel, "dkdv": mod._hstu_bwd_dkdv_kernel, "dq": mod._hstu_bwd_dq_kernel}[kind]
-    values, warps, stages = _values(kind, tma, dq_mode)
+    values, warps, stages = _values(kind, tma, dq_mode, blocks)
     values.update(mask or {})
     values.update(extra or {})
     if kind != "dkdv":
@@ -137,12 +139,15 @@ def _ptx(mod, kind, tma, dq_mode=0, extra=None, kernel=False, mask=None):
     return k if kernel else k.asm["ptx"]
 
 
-def features(split=False):
-    """Compile every kernel with each bias feature for sm90; print registers, spills, shared memory."""
+def features(split=False, configs=None, dq_mode=0):
+    """Compile every kernel with each bias feature for sm90; print registers, spills, shared memory.
+    ``configs``: {kind: (BLOCK_M, BLOCK_N, warps, stages)} (default: each kind's first tuning config's shape);
+    ``dq_mode``: the dK/dV kernel's dQ (0 split, 1 atomics, 3 vectorised atomics, the tables' default on sm90)."""
     mod = _load(os.path.join(ROOT, PATH), "_attention_new")
     for name, extra in {**FEATURES, **(FEATURES_SPLIT if split else {})}.items():
         for kind in ("fwd", "dq", "dkdv"):
-            k = _ptx(mod, kind, False, 0, extra, kernel=True)
+            blocks = (configs or {}).get(kind)
+            k = _ptx(mod, kind, False, dq_mode if kind == "dkdv" else 0, extra, kernel=True, blocks=blocks)
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
                 f.write(k.asm["ptx"])
             from triton.backends.nvidia.compiler import get_ptxas
@@ -211,7 +216,11 @@ def _bodies(root):
 
 def main():
     if sys.argv[1:2] in (["--features"], ["--features=all"]):
-        return features(split=sys.argv[1] == "--features=all")
+        # optional: KIND=BM,BN,WARPS,STAGES (e.g. dkdv=32,64,4,3) and --dq-mode=N
+        configs = {a.split("=")[0]: tuple(int(x) for x in a.split("=")[1].split(","))
+                   for a in sys.argv[2:] if not a.startswith("--")}
+        dq = [int(a.split("=")[1]) for a in sys.argv[2:] if a.startswith("--dq-mode=")]
+        return features(split=sys.argv[1] == "--features=all", configs=configs, dq_mode=dq[0] if dq else 0)
     if sys.argv[1:2] == ["--dump"]:
         return _dump(sys.argv[2], sys.argv[3])
     rev = sys.argv[1] if len(sys.argv) > 1 else "HEAD"
