@@ -39,7 +39,7 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
     s_t = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
     if HAS_POS and HAS_TS:
         # both tables: the bias before dP, so that its temporaries and dP's accumulator are not live at once
-        # (fewer spills at the register cap; faster at every config measured, though it no longer overlaps dP's
+        # (fewer spills at the register cap; faster at both configs measured, though it no longer overlaps dP's
         # MMA; with one table the overlap wins: benchmarks/RESULTS.md, 2026-11-29)
         s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], start_m, n0, n, HAS_RAB, HAS_POS,
                                HAS_TS, TS_STEPS)
@@ -64,7 +64,7 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
         ds16 = tl.where(ok, ds16, 0.0)
     if RAB_GRAD != 0 or TAB_GRAD:
         # bias gradients are dS_pre (per-row scales are already in dO; GB carries a scalar scale)
-        _bias_grad(ds16, bk, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD, TAB_GRAD, HAS_POS, HAS_TS, BLOCK_M,
+        _bias_grad(ds16, bk, GB, offs_m, offs_n, start_m, n, RAB_GRAD, TAB_GRAD, HAS_POS, HAS_TS, BLOCK_M,
                    ds16.shape[0])
     dv = tl.dot(p16, do, dv, input_precision=PREC)
     dk = tl.dot(ds16, q, dk, input_precision=PREC)

@@ -365,7 +365,7 @@ def _pre_silu(s, alpha, RB, rows, cols, i0, j0, n, HAS_RAB: tl.constexpr, HAS_PO
 
 
 @triton.jit
-def _bias_grad(ds, bk, RB, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, TAB_GRAD: tl.constexpr,
+def _bias_grad(ds, bk, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, TAB_GRAD: tl.constexpr,
                HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Bias gradients from one transposed dS tile ``ds[j, i]`` (keys ``offs_n`` x queries ``offs_m``, zero
     where invalid). RAB_GRAD 1: store d rab (each element has one writer); 2: fp32 atomics into a buffer
