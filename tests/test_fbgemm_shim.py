@@ -46,3 +46,25 @@ def test_shim_values_gradients_trace_and_schemas():
     for name in NAMES:
         ours = str(getattr(fb, name).default._schema).replace(NS + "::", "fbgemm::")
         assert ours == str(getattr(torch.ops.fbgemm, name).default._schema), name
+
+
+def test_shim_kernels_never_become_compiled_frames():
+    """fbgemm's kernels are C++: where Dynamo calls an op eagerly (here after the graph break of
+    dense_to_jagged's data-dependent length), the shim's Python kernel must run as it is, not be compiled as a
+    frame of its own (stock Inductor's CUDA code for that frame gave wrong results on an H200)."""
+    fb = getattr(torch.ops, NS)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    def f(d, off):
+        return fb.dense_to_jagged(d.sin(), [off])[0] * 2
+
+    g = torch.Generator().manual_seed(3)
+    off, d = torch.tensor([0, 3, 3, 7]), torch.randn(3, 4, 5, generator=g)
+    torch._dynamo.reset()
+    out = torch.compile(f, backend=backend)(d, off)
+    assert torch.equal(out, f(d, off))
+    assert graphs and not any("searchsorted" in t for ts in graphs for t in ts), graphs

@@ -95,9 +95,12 @@ def register(ns: str) -> torch.library.Library:
              "CompositeImplicitAutograd")
     lib.impl("dense_to_jagged", lambda d, o, t=None: (fb.dense_to_jagged_forward(d, o, t), o),
              "CompositeImplicitAutograd")
-    lib.impl("jagged_to_padded_dense_forward", _to_dense, "CompositeExplicitAutograd")
-    lib.impl("dense_to_jagged_forward", _to_jagged, "CompositeExplicitAutograd")
-    lib.impl("jagged_to_padded_dense_backward", _to_jagged, "CompositeExplicitAutograd")
+    # fbgemm's kernels are C++, never traced: an eager call of these ops (after a graph break) must not become a
+    # compiled frame of its own (stock Inductor's CUDA code for that frame gave wrong results on an H200)
+    to_dense, to_jagged = torch.compiler.disable(_to_dense), torch.compiler.disable(_to_jagged)
+    lib.impl("jagged_to_padded_dense_forward", to_dense, "CompositeExplicitAutograd")
+    lib.impl("dense_to_jagged_forward", to_jagged, "CompositeExplicitAutograd")
+    lib.impl("jagged_to_padded_dense_backward", to_jagged, "CompositeExplicitAutograd")
     lib.impl("jagged_to_padded_dense_forward", lambda v, o, m, p=0.0: ToDense.apply(v, o, m[0], p), "Autograd")
     lib.impl("dense_to_jagged_forward", lambda d, o, t=None: ToJagged.apply(d, o, t), "Autograd")
 
