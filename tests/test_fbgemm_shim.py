@@ -51,7 +51,7 @@ def test_shim_values_gradients_trace_and_schemas():
 def test_shim_kernels_never_become_compiled_frames():
     """fbgemm's kernels are C++: where Dynamo calls an op eagerly (here after the graph break of
     dense_to_jagged's data-dependent length), the shim's Python kernel must run as it is, not be compiled as a
-    frame of its own (stock Inductor's CUDA code for that frame gave wrong results on an H200)."""
+    frame of its own (the likely cause of stock Inductor's wrong results on a GPU: benchmarks/RESULTS.md)."""
     fb = getattr(torch.ops, NS)
     graphs = []
 

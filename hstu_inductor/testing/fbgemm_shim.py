@@ -96,7 +96,7 @@ def register(ns: str) -> torch.library.Library:
     lib.impl("dense_to_jagged", lambda d, o, t=None: (fb.dense_to_jagged_forward(d, o, t), o),
              "CompositeImplicitAutograd")
     # fbgemm's kernels are C++, never traced: an eager call of these ops (after a graph break) must not become a
-    # compiled frame of its own (stock Inductor's CUDA code for that frame gave wrong results on an H200)
+    # compiled frame of its own (the likely cause of stock Inductor's wrong results on a GPU: benchmarks/RESULTS.md)
     to_dense, to_jagged = torch.compiler.disable(_to_dense), torch.compiler.disable(_to_jagged)
     lib.impl("jagged_to_padded_dense_forward", to_dense, "CompositeExplicitAutograd")
     lib.impl("dense_to_jagged_forward", to_jagged, "CompositeExplicitAutograd")
