@@ -109,6 +109,11 @@ _GPU_CONFIGS = {
     ("dkdv", "large"): [(32, 64, 4, 2), (64, 64, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2)],
     ("dq", "small"): [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 4, None, _R), (64, 32, 4, 3)],
     ("dq", "large"): [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 3)],
+    # a table bias (path b), D <= 128: the "small" lists with the autotuner's pick at N=1024 first (the untuned
+    # config): the table kernels sit at the register cap, and dK/dV at (64, 128, 8 warps) took 1.6x as long as at
+    # (32, 64, 4 warps) (H200, benchmarks/RESULTS.md 2026-11-29)
+    ("fwd", "tables"): [(64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 32, 4, 4), (128, 64, 8, 2, 128)],
+    ("dkdv", "tables"): [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2), (32, 64, 4, 4), (32, 128, 8, 3)],
     # fp32 inputs (3-pass tf32 dots need much more shared memory and registers): small tiles
     ("fwd", "fp32"): [(32, 32, 4, 1)],
     ("dkdv", "fp32"): [(32, 32, 4, 1)],
@@ -178,6 +183,8 @@ def _launch(kind: str, grid_rows: int, grid_x: int, block_d: int, args: tuple, k
                                                         num_stages=cfg.num_stages, **extra)  # test hook: eager only
         return
     size = "fp32" if fp32 else ("small" if block_d <= 128 else "large")
+    if size == "small" and (kwargs["HAS_POS"] or kwargs["HAS_TS"]) and (kind, "tables") in _GPU_CONFIGS:
+        size = "tables"
     kern = _tuned(kind, size, _autotune_enabled(), atomic_dq, zero_extra)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("hstu %s launch: configs=%s, constexprs=%s, int args=%s", kind, size,

@@ -729,7 +729,15 @@ def _gpu_per_head_case(tma, B, n, H, D, seed, nb=128):
 
 
 def _table_configs():
-    return [(kind, cfg) for kind in ("fwd", "dkdv") for cfg in K._GPU_CONFIGS[(kind, "small")]]
+    return [(kind, cfg) for kind in ("fwd", "dkdv") for cfg in K._GPU_CONFIGS[(kind, "tables")]]
+
+
+def test_table_config_lists_reorder_the_plain_ones():
+    """The table kernels' tuning lists hold the plain (D <= 128) lists' configs, only in another order (their first
+    is the untuned default): a config added to one list and not the other would be tuned, or tested, for one
+    kind of kernel only."""
+    for kind in ("fwd", "dkdv"):
+        assert sorted(K._GPU_CONFIGS[(kind, "tables")], key=repr) == sorted(K._GPU_CONFIGS[(kind, "small")], key=repr)
 
 
 @pytest.mark.gpu
