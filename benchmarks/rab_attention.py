@@ -96,16 +96,16 @@ def main():
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    import hstu_inductor  # noqa: F401  (registers torch.ops.hstu)
     from hstu_inductor.kernels.attention import force_configs
-    from hstu_inductor.reference import hstu_mha, relative_bias
 
     configs = {c.split("=")[0]: tuple(int(x) for x in c.split("=")[1].split(",")) for c in args.configs}
     with force_configs(**configs):
-        _run(args, hstu_mha, relative_bias)
+        _run(args)
 
 
-def _run(args, hstu_mha, relative_bias):
+def _run(args):
+    import hstu_inductor  # noqa: F401  (registers torch.ops.hstu)
+    from hstu_inductor.reference import hstu_mha, relative_bias
     from triton.testing import do_bench
 
     dev, dt = "cuda", torch.bfloat16

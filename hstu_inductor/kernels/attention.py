@@ -109,16 +109,16 @@ _GPU_CONFIGS = {
     ("dkdv", "large"): [(32, 64, 4, 2), (64, 64, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2)],
     ("dq", "small"): [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 4, None, _R), (64, 32, 4, 3)],
     ("dq", "large"): [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 3)],
-    # a table bias (path b), D <= 128: the "small" lists with the autotuner's pick at N=1024 first (the untuned
-    # config): the table kernels sit at the register cap, and dK/dV at (64, 128, 8 warps) took 1.6x as long as at
-    # (32, 64, 4 warps) (H200, benchmarks/RESULTS.md 2026-11-29)
-    ("fwd", "tables"): [(64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3), (128, 32, 4, 4), (128, 64, 8, 2, 128)],
-    ("dkdv", "tables"): [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2), (32, 64, 4, 4), (32, 128, 8, 3)],
     # fp32 inputs (3-pass tf32 dots need much more shared memory and registers): small tiles
     ("fwd", "fp32"): [(32, 32, 4, 1)],
     ("dkdv", "fp32"): [(32, 32, 4, 1)],
     ("dq", "fp32"): [(32, 32, 4, 1)],
 }
+# A table bias (path b), D <= 128: the "small" lists with the autotuner's pick at N=1024 moved first (the untuned
+# config): the table kernels sit at the register cap, and dK/dV at (64, 128, 8 warps) took 1.6x as long as at
+# (32, 64, 4 warps) (H200, benchmarks/RESULTS.md 2026-11-29).
+_GPU_CONFIGS.update({(kind, "tables"): [first] + [c for c in _GPU_CONFIGS[(kind, "small")] if c != first]
+                     for kind, first in (("fwd", (64, 32, 4, 3)), ("dkdv", (32, 64, 4, 3)))})
 # One small config under the interpreter (autotuning needs a GPU) and for quick runs.
 _INTERPRET_CONFIGS = {"fwd": (32, 16, 4, 1, None, True), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1, None, True)}
 
