@@ -41,13 +41,13 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
         # both tables: the bias before dP, so that its temporaries and dP's accumulator are not live at once
         # (fewer spills at the register cap; faster at both configs measured, though it no longer overlaps dP's
         # MMA; with one table the overlap wins: benchmarks/RESULTS.md, 2026-11-29)
-        s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], start_m, n0, n, HAS_RAB, HAS_POS,
-                               HAS_TS, TS_STEPS)
+        s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m, offs_n, start_m, n0, n, HAS_RAB, HAS_POS, HAS_TS,
+                               TS_STEPS, True)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
     else:
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-        s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m[None, :], offs_n[:, None], start_m, n0, n, HAS_RAB, HAS_POS,
-                               HAS_TS, TS_STEPS)
+        s_t, a, bk = _pre_silu(s_t, alpha, RB, offs_m, offs_n, start_m, n0, n, HAS_RAB, HAS_POS, HAS_TS,
+                               TS_STEPS, True)
     if FAST == 2:
         p16, ds16 = _silu_bwd_packed((s_t * (0.5 * a)).to(q.dtype), dp_t.to(q.dtype))
     else:
@@ -264,8 +264,8 @@ def _bwd_dq_inner(dq, q, do, K_src, V_src, stride_km, stride_kd, stride_vm, stri
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], i0, start_n, n, HAS_RAB, HAS_POS, HAS_TS,
-                             TS_STEPS)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m, offs_n, i0, start_n, n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS,
+                             False)
         if FAST == 2:
             _, ds = _silu_bwd_packed((s * (0.5 * a)).to(k.dtype), dp.to(k.dtype))
         else:

@@ -32,8 +32,8 @@ def _fwd_inner(acc, q, K_src, V_src, stride_km, stride_kd, stride_vm, stride_vd,
         k = _load_rows(K_src, start_n, n, DQ, stride_km, stride_kd, MASKED, EVEN_DQ, TMA, BLOCK_N, BLOCK_DQ)
         v = _load_rows(V_src, start_n, n, DV, stride_vm, stride_vd, MASKED, EVEN_DV, TMA, BLOCK_N, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s, a, bk = _pre_silu(s, alpha, RB, pos_m[:, None], offs_n[None, :], i0, start_n, n, HAS_RAB, HAS_POS, HAS_TS,
-                             TS_STEPS)
+        s, a, bk = _pre_silu(s, alpha, RB, pos_m, offs_n, i0, start_n, n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS,
+                             False)
         if FAST == 2:
             p = _silu_packed((s * (0.5 * a)).to(v.dtype))
         else:

@@ -179,7 +179,7 @@ def _seq_plan(TS_b, n, MAX_N, HAS_TS: tl.constexpr):
 
 @triton.jit
 def _table_load(ptrs):
-    """Gather from a small read-only table (bias tables, thresholds), every address in bounds: a plain
+    """Gather from a small read-only table (bias tables, thresholds, timestamps), every address in bounds: a plain
     read-only load per element on a GPU. A ``tl.load`` here is taken by Triton's software pipeliner as a
     4-byte ``cp.async`` per element through shared memory, slower than an L1 hit."""
     if _INTERPRET:
@@ -193,28 +193,68 @@ def _table_load(ptrs):
         elif ty == tl.int32:
             return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [addr], dtype=tl.int32,
                                              is_pure=True, pack=1)
+        elif ty == tl.int64 or ty == tl.float64:  # timestamps
+            return tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [addr], dtype=tl.int64,
+                                             is_pure=True, pack=1).to(ty, bitcast=True)
         else:  # fp16 / bf16 tables: 16 bits, then their type
             return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [addr], dtype=tl.int16,
                                              is_pure=True, pack=1).to(ty, bitcast=True)
 
 
+def _search_ptx(ty: str) -> str:
+    """The binary search of :func:`_bucket_search` as one PTX block per element: ``$0`` the bucket, ``$1`` the gap
+    (``ty``: s64 / f64 / f32), ``$2`` the thresholds' address, ``$3`` the first step (a power of two), ``$4`` NB."""
+    return ("{ .reg .pred ok, ge; .reg .s32 bk, cand, step, idx; .reg .s64 addr; .reg .%s thr; "
+            "mov.s32 bk, 0; mov.s32 step, $3; "
+            "SEARCH_STEP: add.s32 cand, bk, step; setp.le.s32 ok, cand, $4; min.s32 idx, cand, $4; "
+            "sub.s32 idx, idx, 1; mad.wide.s32 addr, idx, %d, $2; ld.global.nc.%s thr, [addr]; "
+            "setp.ge.and.%s ge, $1, thr, ok; selp.s32 bk, cand, bk, ge; shr.s32 step, step, 1; "
+            "setp.ne.s32 ok, step, 0; @ok bra SEARCH_STEP; mov.s32 $0, bk; }"
+            % (ty, int(ty[1:]) // 8, ty.replace("s", "b"), ty))
+
+
+_SEARCH_S64: tl.constexpr = tl.constexpr(_search_ptx("s64"))
+_SEARCH_F64: tl.constexpr = tl.constexpr(_search_ptx("f64"))
+_SEARCH_F32: tl.constexpr = tl.constexpr(_search_ptx("f32"))
+
+
 @triton.jit
 def _bucket_search(x, TSB, NB, TS_STEPS: tl.constexpr):
-    """#{k : x >= TSB[k]} by binary search over the sorted thresholds, in x's dtype: TS_STEPS gathers."""
-    bk = tl.zeros(x.shape, dtype=tl.int32)
-    for s in tl.static_range(TS_STEPS):
-        cand = bk + (1 << (TS_STEPS - 1 - s))
-        ok = cand <= NB
-        thr = tl.load(TSB + (cand - 1), mask=ok, other=0)
-        bk = tl.where(ok & (x >= thr), cand, bk)
-    return bk
+    """#{k : x >= TSB[k]} by binary search over the sorted thresholds, in their dtype (int64 / fp64 / fp32):
+    TS_STEPS gathers. On a GPU one inline PTX loop per element: Triton's layout pass prices an unrolled search
+    on a tile above a shared-memory conversion and would then keep the whole bias in a layout of its own."""
+    if _INTERPRET:
+        bk = tl.zeros(x.shape, dtype=tl.int32)
+        for s in tl.static_range(TS_STEPS):
+            cand = bk + (1 << (TS_STEPS - 1 - s))
+            ok = cand <= NB
+            thr = tl.load(TSB + (tl.minimum(cand, NB) - 1))
+            bk = tl.where(ok & (x >= thr), cand, bk)
+        return bk
+    else:
+        ty: tl.constexpr = TSB.dtype.element_ty
+        addr = TSB.to(tl.int64, bitcast=True)
+        top = 1 << (TS_STEPS - 1)
+        if ty == tl.float32:
+            return tl.inline_asm_elementwise(_SEARCH_F32, "=r,f,l,r,r", [x.to(tl.float32), addr, top, NB],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        elif ty == tl.float64:
+            return tl.inline_asm_elementwise(_SEARCH_F64, "=r,d,l,r,r", [x.to(tl.float64), addr, top, NB],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_SEARCH_S64, "=r,l,l,r,r", [x.to(tl.int64), addr, top, NB],
+                                             dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _log2_guess(x):
-    """log2 of fp32 ``x`` for the bucket guess: one MUFU op on a GPU (error ~1e-7, inside _ts_plan's margin)."""
+def _log2_guess(x, FTZ: tl.constexpr = False):
+    """log2 of fp32 ``x`` for the bucket guess: one MUFU op on a GPU (error ~1e-7, inside _ts_plan's margin).
+    ``FTZ`` where ``x`` is never subnormal (integer gaps): without it ptxas rescales every input around the op."""
     if _INTERPRET:
         return tl.log2(x)
+    elif FTZ:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
     else:
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
@@ -224,8 +264,8 @@ def _log2_guess(x):
 def _gap32(tsn, tsj, base, rv, cv, far_ok):
     """(ok, a, b): the gaps of the tile in 32 bits, ``|a[i] - b[j]|`` (int32), where that is exact enough for
     the bucket: every gap equals ``|tsn[i] - tsj[j]|`` (the timestamps' own arithmetic), or both exceed every
-    threshold. ``base`` is one timestamp of the tile; ``rv``/``cv`` the valid rows/columns; ``far_ok``: every
-    threshold is below 2**29.
+    threshold. ``tsn``/``tsj``: the row and column vectors; ``base`` is one timestamp of the tile; ``rv``/``cv``
+    the valid rows/columns; ``far_ok``: every threshold is below 2**29.
 
     Int64 or integral fp64 timestamps within 2**29 of ``base`` (the "core") are exact in int32, and so are
     their differences. A value outside the core is clamped to +-2**30: its gap to a core value stays above
@@ -249,32 +289,28 @@ def _gap32(tsn, tsj, base, rv, cv, far_ok):
 
 
 @triton.jit
-def _bucket_native(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS: tl.constexpr):
-    """:func:`_time_bucket` for 32-bit timestamps: the gap in their dtype, rounded to fp32 once (xf) and
-    compared with the fp32 threshold. Rounding is monotone, so ``xf != fp32(t)`` decides ``x >= t``; an fp32
-    gap, or an integer one below 2**24, is exact, so only an integer tie above it is ambiguous: a tile with one
-    (rare) redoes its buckets by a binary search, as do all tiles when the thresholds do not follow the guess."""
-    if fits != 0.0:
-        xf = tl.abs(tsn - tsj).to(tl.float32)
-        u = _log2_guess(xf) * slope + off
-        u = tl.where(u > 0.0, u, 0.0)  # also NaN (a negative int gap, |INT_MIN|) and -inf (x = 0)
-        c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
-        t = _table_load(TSP + 3 + c).to(tl.float32, bitcast=True)  # TSP[3 + NB] is NaN: never reached
-        bk = c + (xf >= t).to(tl.int32)
-        if tsn.dtype == tl.int32:  # below 2**24 integers are exact in fp32: a tie is equality
-            tie = (xf == t) & (xf >= 16777216.0)
-            if tl.max(tl.max(tie.to(tl.int32), axis=1), axis=0) > 0:
-                bk = _bucket_search(tl.abs(tsj - tsn), TSB, NB, TS_STEPS)  # (tsj - tsn: not CSE'd with xf's)
-    else:
-        bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
-    return bk
+def _bucket_native(tn, tj, TSP, NB, slope, off):
+    """(bucket, exact) for 32-bit timestamps (:func:`_time_bucket`): the gap in their dtype, rounded to fp32 once
+    (xf) and compared with the fp32 threshold. Rounding is monotone, so ``xf != fp32(t)`` decides ``x >= t``; an
+    fp32 gap, or an integer one below 2**24, is exact, so only an integer tie above it is ambiguous (``exact``
+    false: the tile redoes its buckets by a binary search)."""
+    xf = tl.abs(tn - tj).to(tl.float32)
+    u = _log2_guess(xf) * slope + off
+    u = tl.where(u > 0.0, u, 0.0)  # also NaN (a negative int gap, |INT_MIN|) and -inf (x = 0)
+    c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
+    t = _table_load(TSP + 3 + c).to(tl.float32, bitcast=True)  # TSP[3 + NB] is NaN: never reached
+    exact = True
+    if tn.dtype == tl.int32:  # below 2**24 integers are exact in fp32: a tie is equality
+        tie = (xf == t) & (xf >= 16777216.0)
+        exact = tl.max(tl.max(tie.to(tl.int32), axis=1), axis=0) == 0
+    return c + (xf >= t).to(tl.int32), exact
 
 
 @triton.jit
 def _bucket32(a, b, TSP, NB, slope, off):
     """The bucket of the int32 gap ``|a - b|`` against the integer thresholds: the guess, then one threshold."""
     x = tl.abs(a - b)
-    u = _log2_guess(x.to(tl.float32)) * slope + off
+    u = _log2_guess(x.to(tl.float32), True) * slope + off
     u = tl.where(u > 0.0, u, 0.0)  # also -inf (x = 0) and NaN (|INT_MIN| of a row outside the sequence)
     c = tl.minimum(u, NB.to(tl.float32)).to(tl.int32)
     t = _table_load(TSP + NB + 4 + c)  # the integer thresholds; [NB] is INT32_MAX: never reached
@@ -282,83 +318,121 @@ def _bucket32(a, b, TSP, NB, slope, off):
 
 
 @triton.jit
-def _time_bucket(tsn, tsj, rows, cols, i0, j0, n, seq, TS_b, MAX_N, TSB, TSP, NB, slope, off, fits,
-                 HAS_TS: tl.constexpr, TS_STEPS: tl.constexpr):
-    """#{k : |tsn - tsj| >= TSB[k]} exactly, the gap taken in the timestamps' dtype (int32/int64/fp32/fp64), on
-    the tile broadcast from the row and column vectors ``tsn``, ``tsj`` (``TSB``: sorted thresholds, int64 for
-    integer gaps, else the gaps' dtype; ``TSP``: _ts_plan's guess, the thresholds in fp32 and as integers;
-    all tiny and L1-resident). ``rows``/``cols``: the positions, ``i0``/``j0`` the tile's first row / a valid key.
+def _grid(r, c, T: tl.constexpr):
+    """The tile's broadcast views of a query-indexed vector ``r`` and a key-indexed vector ``c``: queries along
+    axis 0 (forward, dQ), or along axis 1 with ``T`` (dK/dV's transposed tile)."""
+    if T:
+        return r[None, :], c[:, None]
+    else:
+        return r[:, None], c[None, :]
+
+
+@triton.jit
+def _ts_vectors(TS_b, rows, cols, n, MAX_N, HAS_TS: tl.constexpr):
+    """(tsn, tsj): the timestamps of the query rows' ``next(i)`` (``min(i + 1, N - 1)`` on padded positions,
+    HAS_TS 1 and 2; ``i`` itself, 3 and 4) and of the keys, as vectors. Padding reads 0 (the last row of a
+    shorter jagged sequence is compared with 0, as in reference.relative_bias); dense ``[B, N]`` timestamps
+    (HAS_TS 2, 4) read the user's own padding. Addresses are clamped into the sequence (or row), values outside
+    zeroed: every read is in bounds, through the read-only path (a tl.load here would be pipelined as one
+    cp.async per element, its predicates carried across iterations)."""
+    if HAS_TS >= 3:
+        nx = rows
+    else:
+        nx = tl.minimum(rows + 1, MAX_N - 1)
+    if HAS_TS % 2 == 0:
+        last = MAX_N - 1
+        has_n = nx >= 0
+    else:
+        last = tl.maximum(n - 1, 0)
+        has_n = (nx >= 0) & (nx < n)
+    tsn = tl.where(has_n, _table_load(TS_b + tl.minimum(tl.maximum(nx, 0), last)), 0)
+    tsj = tl.where(cols < n, _table_load(TS_b + tl.minimum(cols, last)), 0)
+    return tsn, tsj
+
+
+@triton.jit
+def _time_bucket(rows, cols, i0, j0, n, seq, TS_b, MAX_N, TSB, TSP, NB, slope, off, fits,
+                 HAS_TS: tl.constexpr, TS_STEPS: tl.constexpr, T: tl.constexpr):
+    """#{k : |tsn - tsj| >= TSB[k]} exactly on the tile of query positions ``rows`` against keys ``cols``
+    (vectors, laid out by :func:`_grid` and ``T``; timestamps by :func:`_ts_vectors`), the gap taken in the
+    timestamps' dtype (int32/int64/fp32/fp64). ``TSB``: sorted thresholds, int64 for integer gaps, else the
+    gaps' dtype; ``TSP``: _ts_plan's guess, the thresholds in fp32 and as integers; all tiny and L1-resident.
+    ``i0``/``j0``: the tile's first row / a valid key.
 
     The guess ``c = clamp(floor(slope * log2(fp32(x)) + off), 0, NB)`` (monotone) is the bucket or the one
     below it (_ts_plan checked both ends of every bucket), and one gather of the next threshold decides which.
     Per score element only 32-bit values: 64-bit ones spill (sm90). Int64 and integral fp64 timestamps take
     the gap in int32 against the integer thresholds, exactly: a sequence within 2**29 of its first timestamp
     (:func:`_seq_plan`, checked once per program) with no per-tile work; otherwise per tile (:func:`_gap32`,
-    reductions); a tile neither answers (rare) or thresholds off the guess take a binary search in the native
-    dtype, with few live registers. Int32 and fp32 timestamps: :func:`_bucket_native`."""
+    reductions); int32 and fp32 timestamps: :func:`_bucket_native`. What none of these answers (rare), or
+    thresholds off the guess, takes a binary search in the native dtype, with few live registers.
+
+    Structure: the fast path is computed on every tile and a fallback overwrites it under a scalar branch,
+    from vectors read again. A branch whose arms each build the tile, or a fallback sharing the fast path's
+    values, makes Triton keep the whole bias in a layout of its own, converted through shared memory to the
+    scores' every tile."""
+    tsn, tsj = _ts_vectors(TS_b, rows, cols, n, MAX_N, HAS_TS)
     if tsn.dtype == tl.int64 or tsn.dtype == tl.float64:
         base, seq_ok, pad, pad_far = seq
         ok32 = tl.load(TSP + 2 * NB + 5)  # 0: the guess does not fit; 2: every threshold below 2**29
-        if seq_ok & (ok32 != 0):
-            bk = _bucket32((tsn - base).to(tl.int32), (tsj - base).to(tl.int32), TSP, NB, slope, off)
-            if HAS_TS < 3:  # the row whose next(i) is past the end reads ``pad``
-                if pad_far & (i0 <= n - 1) & (n - 1 < i0 + rows.numel) & (n < MAX_N):
-                    bk = tl.where(rows == n - 1, _bucket_search(tl.abs(pad - tsj), TSB, NB, TS_STEPS), bk)
+        fast = seq_ok & (ok32 != 0)
+        if fast:
+            a = (tsn - base).to(tl.int32)
+            b = (tsj - base).to(tl.int32)
+            exact = fast
         else:
-            ok, a, b = _gap32(tsn, tsj, tl.load(TS_b + j0), rows < n, cols < n, ok32 == 2)
-            if ok & (ok32 != 0):
-                bk = _bucket32(a, b, TSP, NB, slope, off)
-            else:
-                bk = _bucket_search(tl.abs(tsn - tsj), TSB, NB, TS_STEPS)
+            exact, a, b = _gap32(tsn, tsj, tl.load(TS_b + j0), rows < n, cols < n, ok32 == 2)
+            exact = exact & (ok32 != 0)
+        ga, gb = _grid(a, b, T)
+        bk = _bucket32(ga, gb, TSP, NB, slope, off)
+        if HAS_TS < 3:  # the row whose next(i) is past the end reads ``pad``
+            if fast & pad_far & (i0 <= n - 1) & (n - 1 < i0 + rows.numel) & (n < MAX_N):
+                r, tj = _grid(rows, tsj, T)
+                bk = tl.where(r == n - 1, _bucket_search(tl.abs(pad - tj), TSB, NB, TS_STEPS), bk)
     else:
-        bk = _bucket_native(tsn, tsj, TSB, TSP, NB, slope, off, fits, TS_STEPS)
+        tn, tj = _grid(tsn, tsj, T)
+        bk, exact = _bucket_native(tn, tj, TSP, NB, slope, off)
+        exact = exact & (fits != 0.0)
+    if not exact:
+        tsn2, tsj2 = _ts_vectors(TS_b, rows, cols, n, MAX_N, HAS_TS)
+        tn, tj = _grid(tsn2, tsj2, T)
+        bk = _bucket_search(tl.abs(tn - tj), TSB, NB, TS_STEPS)
     return bk
 
 
 @triton.jit
 def _bias(RB, rows, cols, i0, j0, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
-          TS_STEPS: tl.constexpr):
+          TS_STEPS: tl.constexpr, T: tl.constexpr):
     """(bias, bucket) on a tile, fp32, zero outside the sequence: the dense rab plus the table bias
     ``pos_w[N-1+j-i] + ts_w[bucket(ts(next(i)) - ts(j))]`` (docs/semantics.md). ``rows`` (i) and ``cols``
-    (j) are broadcastable position vectors, ``i0`` the tile's first row, ``j0`` a valid key. The bucket tile
-    (int32, 0 without HAS_TS) feeds d ts_w."""
+    (j) are the position vectors (the tile laid out by :func:`_grid` and ``T``), ``i0`` the tile's first row,
+    ``j0`` a valid key. The bucket tile (int32, 0 without HAS_TS) feeds d ts_w."""
     RAB_b, stride_ri, stride_rj, TS_b, POSW, TSW, NB, MAXN, TSB, TSP, slope, off, fits, seq = RB
-    inside = (rows < n) & (cols < n)
+    r, c = _grid(rows, cols, T)
+    inside = (r < n) & (c < n)
     bk = 0
     if HAS_RAB:
-        x = _rab_tile(RAB_b, rows, cols, n, stride_ri, stride_rj)
+        x = _rab_tile(RAB_b, r, c, n, stride_ri, stride_rj)
     else:
         x = tl.where(inside, 0.0, 0.0)
     if HAS_POS:
-        pi = tl.minimum(tl.maximum(MAXN - 1 + cols - rows, 0), 2 * MAXN - 2)  # in bounds off the sequence too
+        pi = tl.minimum(tl.maximum(MAXN - 1 + c - r, 0), 2 * MAXN - 2)  # in bounds off the sequence too
         x += tl.where(inside, _table_load(POSW + pi).to(tl.float32), 0.0)
     if HAS_TS:
-        # the query's timestamp: next(i) = min(i + 1, N - 1) on padded positions (HAS_TS 1, 2), else i's (3, 4);
-        # padding has timestamp 0 (so the last row of a shorter sequence is compared with 0, as in
-        # reference.relative_bias)
-        if HAS_TS >= 3:
-            nx = rows
-        else:
-            nx = tl.minimum(rows + 1, MAXN - 1)
-        if HAS_TS % 2 == 0:  # dense timestamps: next(i) reads the user's own padding (any value)
-            tsn = tl.load(TS_b + nx, mask=nx >= 0, other=0)
-        else:
-            tsn = tl.load(TS_b + nx, mask=nx < n, other=0)
-        tsj = tl.load(TS_b + cols, mask=cols < n, other=0)
-        # the difference in the timestamps' dtype (as the reference), bucketed by thresholds
-        bk = _time_bucket(tsn, tsj, rows, cols, i0, j0, n, seq, TS_b, MAXN, TSB, TSP, NB, slope, off, fits, HAS_TS,
-                          TS_STEPS)
+        # the bucket of ts(next(i)) - ts(j) (or ts(i) - ts(j)), the difference in the timestamps' dtype
+        bk = _time_bucket(rows, cols, i0, j0, n, seq, TS_b, MAXN, TSB, TSP, NB, slope, off, fits, HAS_TS, TS_STEPS, T)
         x += tl.where(inside, _table_load(TSW + bk).to(tl.float32), 0.0)  # bk in [0, NB] everywhere
     return x, bk
 
 
 @triton.jit
 def _pre_silu(s, alpha, RB, rows, cols, i0, j0, n, HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr,
-              TS_STEPS: tl.constexpr):
+              TS_STEPS: tl.constexpr, T: tl.constexpr):
     """(x, a, bucket) with silu(a * x) the score: (s, alpha, 0) without a bias (the bias-free arithmetic),
-    else (alpha * s + bias, 1, bucket)."""
+    else (alpha * s + bias, 1, bucket). ``rows``/``cols``: query and key positions (vectors), ``T``: queries
+    along the tile's axis 1 (:func:`_grid`)."""
     if HAS_RAB or HAS_POS or HAS_TS:
-        x, bk = _bias(RB, rows, cols, i0, j0, n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS)
+        x, bk = _bias(RB, rows, cols, i0, j0, n, HAS_RAB, HAS_POS, HAS_TS, TS_STEPS, T)
         return s * alpha + x, 1.0, bk
     else:
         return s, alpha, 0

@@ -462,24 +462,22 @@ from hstu_inductor.reference.rab import buckets_from_bounds, time_bucket_bounds 
 
 
 @triton.jit
-def _bucket_probe(TSN, TSJ, SEQ, OUT, TSB, TSP, NB, rows, cols, seq_len, R: tl.constexpr, C: tl.constexpr,
-                  TS_STEPS: tl.constexpr, PER_TILE: tl.constexpr):
-    """_time_bucket on one tile: rows ``TSN`` (the last one the padding row, next(n - 1) past the end) against
-    columns ``TSJ``; ``SEQ`` holds the sequence's timestamps (columns, then the other rows) for _seq_plan.
-    PER_TILE: skip the per-sequence plan (its per-tile fallback)."""
+def _bucket_probe(SEQ, OUT, TSB, TSP, NB, rows, cols, R: tl.constexpr, C: tl.constexpr, TS_STEPS: tl.constexpr,
+                  PER_TILE: tl.constexpr):
+    """_time_bucket on one tile of the sequence ``SEQ`` = (the ``cols`` key timestamps, then the rows'): keys at
+    positions 0..cols-1, query rows at cols-1.. so that each reads the next timestamp, the last one (position
+    n - 1) the padding past the end. PER_TILE: skip the per-sequence plan (its per-tile fallback)."""
     r = tl.arange(0, R)
     c = tl.arange(0, C)
-    tsn = tl.load(TSN + r, mask=r < rows, other=0)[:, None]
-    tsj = tl.load(TSJ + c, mask=c < cols, other=0)[None, :]
     slope = tl.load(TSP).to(tl.float32, bitcast=True)
     off = tl.load(TSP + 1).to(tl.float32, bitcast=True)
     fits = tl.load(TSP + 2).to(tl.float32, bitcast=True)
-    n = rows  # the padding row is row n - 1; columns sit at positions below n exactly when they exist
-    seq = K._seq_plan(SEQ, seq_len, n + 1, 1)
+    n = rows + cols - 1
+    seq = K._seq_plan(SEQ, n, n + 1, 1)
     if PER_TILE:
         seq = (seq[0], False, seq[2], seq[3])
-    bk = K._time_bucket(tsn, tsj, r[:, None], c[None, :] + (n - cols), 0, 0, n, seq, TSJ, n + 1, TSB, TSP, NB,
-                        slope, off, fits, 1, TS_STEPS)
+    bk = K._time_bucket(cols - 1 + r, c, cols - 1, 0, n, seq, SEQ, n + 1, TSB, TSP, NB, slope, off, fits, 1,
+                        TS_STEPS, False)
     tl.store(OUT + r[:, None] * cols + c[None, :], bk, mask=(r[:, None] < rows) & (c[None, :] < cols))
 
 
@@ -489,9 +487,8 @@ def _probe(tsn, tsj, bounds, nb, per_tile=False):
     tsb, tsp = K._ts_bounds_and_plan(bounds, nb, tsn.dtype, tsn.device)
     out = torch.full((tsn.numel(), tsj.numel()), -1, dtype=torch.int32, device=DEV)
     seq = torch.cat([tsj, tsn[:-1]])
-    _bucket_probe[(1,)](tsn, tsj, seq, out, tsb, tsp, nb, tsn.numel(), tsj.numel(), seq.numel(),
-                        triton.next_power_of_2(tsn.numel()), triton.next_power_of_2(tsj.numel()),
-                        int(nb).bit_length(), per_tile)
+    _bucket_probe[(1,)](seq, out, tsb, tsp, nb, tsn.numel(), tsj.numel(), triton.next_power_of_2(tsn.numel()),
+                        triton.next_power_of_2(tsj.numel()), int(nb).bit_length(), per_tile)
     return out.cpu(), tsp.cpu()
 
 
@@ -566,10 +563,11 @@ def test_time_bucket_exact_at_thresholds(case):
 def _gap32_probe(TSN, TSJ, OUT, OK, rows, cols, far_ok, R: tl.constexpr, C: tl.constexpr):
     r = tl.arange(0, R)
     c = tl.arange(0, C)
-    tsn = tl.load(TSN + r, mask=r < rows, other=0)[:, None]
-    tsj = tl.load(TSJ + c, mask=c < cols, other=0)[None, :]
-    ok, a, b = K._gap32(tsn, tsj, tl.load(TSJ), (r < rows)[:, None], (c < cols)[None, :], far_ok != 0)
-    tl.store(OUT + r[:, None] * cols + c[None, :], tl.abs(a - b), mask=(r[:, None] < rows) & (c[None, :] < cols))
+    tsn = tl.load(TSN + r, mask=r < rows, other=0)
+    tsj = tl.load(TSJ + c, mask=c < cols, other=0)
+    ok, a, b = K._gap32(tsn, tsj, tl.load(TSJ), r < rows, c < cols, far_ok != 0)
+    tl.store(OUT + r[:, None] * cols + c[None, :], tl.abs(a[:, None] - b[None, :]),
+             mask=(r[:, None] < rows) & (c[None, :] < cols))
     tl.store(OK, ok.to(tl.int32))
 
 

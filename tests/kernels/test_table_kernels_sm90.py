@@ -1,8 +1,9 @@
 """The table-bias kernels compile for sm90 on a machine without a GPU (Triton ships ptxas), with the PTX
 the GPU path relies on. The interpreter (CPU tests) takes ``tl.load`` / ``tl.log2`` where a GPU build takes
-inline PTX (attention_jit._table_load, _log2_guess), so only a real build checks those: here 16-bit tables
-and fp64 timestamps (fp32 tables take the same load with a 32-bit type). A subprocess: this process's
-kernels are the interpreter's."""
+inline PTX (attention_jit._table_load, _log2_guess, _bucket_search), so only a real build checks those (and
+that every timestamp dtype's path type-checks as Triton compiles it, which the interpreter does not): 16-bit
+tables with fp64 timestamps, fp32 tables with fp32 and int32 timestamps. A subprocess: this process's kernels
+are the interpreter's."""
 from __future__ import annotations
 
 import os
@@ -16,11 +17,12 @@ import os, sys
 sys.path.insert(0, os.path.join({root!r}, "scripts"))
 import ptx_unchanged as tool
 kernels = tool._load(os.path.join(tool.ROOT, tool.PATH), "_attention_sm90_probe")
-for tables, ts in (("bf16", "fp64"),):
-    extra = dict(TS=(ts,), TSW=(tables,), POSW=(tables,), NB=64, HAS_TS=2, HAS_POS=True, TSB=(ts,), TSP=("i32",),
+for tables, ts, tsb in (("bf16", "fp64", "fp64"), ("fp32", "fp32", "fp32"), ("fp32", "i32", "i64")):
+    extra = dict(TS=(ts,), TSW=(tables,), POSW=(tables,), NB=64, HAS_TS=2, HAS_POS=True, TSB=(tsb,), TSP=("i32",),
                  TS_STEPS=7)
     ptx = tool._ptx(kernels, "fwd", False, 0, extra)
-    print(tables, ts, "lg2.approx.f32" in ptx, ("ld.global.nc.b16" if tables == "bf16" else "ld.global.nc.f32") in ptx)
+    print(tables, ts, "lg2.approx.ftz.f32" in ptx, "lg2.approx.f32" in ptx, "SEARCH_STEP" in ptx,
+          ("ld.global.nc.b16" if tables == "bf16" else "ld.global.nc.f32") in ptx, "ld.global.nc.b64" in ptx)
 """
 
 
@@ -29,5 +31,7 @@ def test_table_forward_builds_for_sm90():
     out = subprocess.run([sys.executable, "-c", _BUILD.format(root=ROOT)], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    # per build: the bucket guess is one MUFU op (lg2.approx), the table gathers plain read-only loads
-    assert out.stdout.split("\n")[:1] == ["bf16 fp64 True True"], out.stdout
+    # per build: the bucket guess is one MUFU op (lg2.approx; .ftz for integer gaps, which are never subnormal),
+    # the fallback search one PTX loop, table gathers and 64-bit timestamps (or thresholds) plain read-only loads
+    assert out.stdout.split("\n")[:3] == ["bf16 fp64 True False True True True", "fp32 fp32 False True True True False",
+                                          "fp32 i32 False True True True True"], out.stdout
