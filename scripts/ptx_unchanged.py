@@ -117,6 +117,9 @@ FEATURES_SPLIT = {
     "ts_own_row": dict(TS=("i64",), TSW=("fp32",), NB=128, HAS_TS=3, DTS=("fp32",), TAB_COPIES=32, stride_tc=129,
                        TAB_GRAD=True, TSB=("i64",), TSP=("i32",), TS_STEPS=8),
 }
+# the other timestamp dtypes' bucket paths (fp32: the fp32 guess; int32: int64 thresholds; fp64: as int64 when integral)
+for _ts, _tsb in (("fp32", "fp32"), ("i32", "i64"), ("fp64", "fp64")):
+    FEATURES_SPLIT[f"tables_{_ts}_ts"] = dict(FEATURES["tables"], TS=(_ts,), TSB=(_tsb,))
 
 
 # Every HSTU mask option at once (contextual prefix 3, window 100, full-attention tail 50, targets), in both
