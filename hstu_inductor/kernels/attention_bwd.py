@@ -62,12 +62,14 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
             ok = _valid(offs_m[None, :], offs_n[:, None], pi_m[None, :], pi_n[:, None], n, M, ml, MASK)
         p16 = tl.where(ok, p16, 0.0)
         ds16 = tl.where(ok, ds16, 0.0)
-    if RAB_GRAD != 0 or TAB_GRAD:
+    if RAB_GRAD != 0:
         # bias gradients are dS_pre (per-row scales are already in dO; GB carries a scalar scale)
-        _bias_grad(ds16, bk, GB, offs_m, offs_n, start_m, n, RAB_GRAD, TAB_GRAD, HAS_POS, HAS_TS, BLOCK_M,
+        _bias_grad(ds16, bk, GB, offs_m, offs_n, start_m, n, RAB_GRAD, False, HAS_POS, HAS_TS, BLOCK_M,
                    ds16.shape[0])
     dv = tl.dot(p16, do, dv, input_precision=PREC)
     dk = tl.dot(ds16, q, dk, input_precision=PREC)
+    if TAB_GRAD:  # after the dots: fewer values live across the reductions (spills 3.0 -> 2.8 KB, sm90)
+        _bias_grad(ds16, bk, GB, offs_m, offs_n, start_m, n, 0, TAB_GRAD, HAS_POS, HAS_TS, BLOCK_M, ds16.shape[0])
     if DQ_MODE == 1:
         dq = tl.dot(tl.trans(ds16), k, input_precision=PREC)
         # 32-bit offsets from the (sequence, head) base: 64-bit per-element pointers cost registers
