@@ -1,9 +1,11 @@
-"""Shared by the benchmark scripts: where their result rows go, the peak memory of a step."""
+"""Shared by the benchmark scripts: where their result rows go, the peak memory of a step, host time per call."""
 from __future__ import annotations
 
 import csv
 import logging
 import os
+import statistics
+import time
 
 
 def write_csv(rows: list, out: str, name: str) -> str:
@@ -60,3 +62,36 @@ def compiled_with_counts(model, inputs, backend: str):
             logging.getLogger("hstu_inductor.benchmarks").info("near misses: %s", rep.near_misses)
         torch._dynamo.reset()
     return torch.compile(model, backend=backend), counts
+
+
+def sleep_cycles_per_ms() -> float:
+    """``torch.cuda._sleep`` spins for a number of GPU clock cycles: calibrate them once."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm up
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def host_us(fn, calls, reps, stall_cycles):
+    """Median and min host microseconds per call of ``fn`` while the stream is stalled by ``stall_cycles`` of
+    ``torch.cuda._sleep`` (so no call waits for the GPU: the time is the host's alone), and the fraction of
+    timings after which the stream was still busy (1.0: the stall covered every call)."""
+    import torch
+
+    times, covered = [], 0
+    stream = torch.cuda.current_stream()
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(stall_cycles)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        covered += not stream.query()
+    torch.cuda.synchronize()
+    return statistics.median(times), min(times), covered / reps

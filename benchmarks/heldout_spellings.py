@@ -21,7 +21,9 @@ Spellings (``--spelling``), one model each:
 ``--device cuda``: every model's first (static) compile in a fresh Dynamo cache, as a user's first run;
 the report of ``explain`` (what was rewritten), the relative error of the output and of dx against eager,
 and one training step (forward and backward, ``do_bench`` median) for stock Inductor and for
-``backend="hstu"``, in the same process. Writes ``heldout_spellings.csv``.
+``backend="hstu"``, in the same process. Writes ``heldout_spellings.csv``. ``--host``: also each step's host
+time with the GPU stalled (a step whose host time exceeds its GPU time is bound by it); ``--cprofile``: with it,
+a cProfile of eight steps per model and backend (``heldout_cprofile_*.txt``).
 """
 from __future__ import annotations
 
@@ -243,12 +245,41 @@ def fake(names, B=128, N=4096, E=512, H=4, D=128):
               f"(proofs {proofs} s) {rep.near_misses or ''}")
 
 
+def _cprofile(step, stall, path, steps=8):
+    """cProfile of ``steps`` steps issued while the GPU is stalled (the host never waits), to ``path``: where a
+    step's host time goes, by function, in microseconds per step. cProfile's own cost inflates every figure
+    (most for Python functions called often); read the proportions."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(stall)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    rows = [(f"{os.path.basename(fn)}:{line}({name})", nc / steps, tt / steps * 1e6, ct / steps * 1e6)
+            for (fn, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
+    lines = [f"{steps} steps; per step: calls, own us, cumulative us"]
+    for title, col in (("by own time", 2), ("by cumulative time", 3)):
+        lines.append(f"--- {title}")
+        lines += [f"{c:7.1f} {t:9.1f} {cum:9.1f}  {name}" for name, c, t, cum in
+                  sorted(rows, key=lambda r: -r[col])[:50]]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    log.warning("wrote %s", path)
+
+
 def bench(names, args):
     from triton.testing import do_bench
 
-    from _common import compiled_with_counts, write_csv
+    from _common import compiled_with_counts, host_us, sleep_cycles_per_ms, write_csv
 
     device, dtype = "cuda", getattr(torch, args.dtype)
+    stall = int(100 * sleep_cycles_per_ms()) if args.host else 0  # 100 ms: longer than 4 steps' host time
     rows = []
     for name in names:
         torch.manual_seed(0)
@@ -270,10 +301,16 @@ def bench(names, args):
             err, derr = rel(y, ref), rel(dx, dx_ref)
             ms = do_bench(step, rep=args.rep)
             times[backend] = ms
+            host = ""
+            if args.host:  # host time per step with the GPU stalled: is the step bound by it?
+                med, best, covered = host_us(step, 4, 10, stall)
+                host = f"{med:.0f} us (min {best:.0f}, stall covered {covered:.0%})"
+                if args.cprofile:
+                    _cprofile(step, stall, os.path.join(args.out, f"heldout_cprofile_{name}_{backend}.txt"))
             rows.append(dict(spelling=name, backend=backend, rewritten=counts, ms=round(ms, 3),
-                             rel_err_out=f"{err:.2e}", rel_err_dx=f"{derr:.2e}"))
-            print(f"{name:15s} {backend:8s} rewritten {counts or '-':7s} {ms:8.3f} ms  err out {err:.2e} dx {derr:.2e}",
-                  flush=True)
+                             rel_err_out=f"{err:.2e}", rel_err_dx=f"{derr:.2e}", host_per_step=host))
+            print(f"{name:15s} {backend:8s} rewritten {counts or '-':7s} {ms:8.3f} ms  err out {err:.2e} dx {derr:.2e}"
+                  f"{'  host ' + host if host else ''}", flush=True)
         print(f"{name:15s} speed-up of hstu over stock Inductor: {times['inductor'] / times['hstu']:.2f}x", flush=True)
     write_csv(rows, args.out, "heldout_spellings.csv")
 
@@ -290,6 +327,8 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rep", type=int, default=200, help="do_bench rep time in ms")
+    ap.add_argument("--host", action="store_true", help="also the host time per step, the GPU stalled")
+    ap.add_argument("--cprofile", action="store_true", help="with --host: a cProfile of 4 steps per model")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import write_csv  # noqa: E402
+from _common import host_us, sleep_cycles_per_ms, write_csv  # noqa: E402
 
 log = logging.getLogger("op_overhead")
 H, D, ALPHA = 4, 128, 1.0 / 128
@@ -63,34 +63,6 @@ def inputs(B, N, device, seed=0):
 
 def op_call(q, k, v, off, N, nt):
     return torch.ops.hstu.attention(q, k, v, off, N, ALPHA, nt, None, 0, 0, 0, True)
-
-
-def sleep_cycles_per_ms() -> float:
-    """``torch.cuda._sleep`` spins for a number of GPU clock cycles: calibrate them once."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)  # warm up
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    torch.cuda.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
-
-
-def host_us(fn, calls, reps, stall_cycles):
-    """Median and min host microseconds per call of ``fn`` while the GPU is busy (see module doc), and
-    the fraction of timings after which the stream was still busy (1.0: no call waited for the GPU)."""
-    times, covered = [], 0
-    stream = torch.cuda.current_stream()
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(stall_cycles)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-        covered += not stream.query()
-    torch.cuda.synchronize()
-    return statistics.median(times), min(times), covered / reps
 
 
 def gpu_us(fn, calls):

@@ -24,7 +24,8 @@ Providers: ``inductor`` (stock ``torch.compile``), ``hstu`` (the backend's defau
 ``hstu_dense`` (``config.rab_tables = False``: the dense bias built by Inductor, path (a)), and the layer
 without the bias (``norab``) under both backends. For each: what was rewritten (``explain``), one training
 step (forward + backward of every parameter, ``do_bench`` median), the peak memory of the step, and the
-relative error of the output and of both tables' gradients against an fp32 eager reference.
+relative error of the output and of both tables' gradients against an fp32 eager reference. ``--gpu-time``:
+also the step's kernel time (the profiler's sum) and host time (GPU stalled), to tell a host-bound step.
 Writes ``stu_rab_layer.csv``.
 """
 from __future__ import annotations
@@ -117,6 +118,28 @@ def _grads(model, inputs, gy):
     return (y,) + torch.autograd.grad(y, [x] + params, gy)
 
 
+def _kernel_ms(step, steps=10) -> float:
+    """GPU time of one step: the sum of its kernels' durations (torch.profiler), what the step would take if
+    the host never held the GPU up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                for e in prof.key_averages())
+    return total / steps / 1000
+
+
+def _host_ms(step) -> float:
+    """Host time of one step with the GPU stalled (_common.host_us, median): above the kernel time, the
+    step is bound by the host."""
+    from _common import host_us, sleep_cycles_per_ms
+
+    return host_us(step, 4, 10, int(100 * sleep_cycles_per_ms()))[0] / 1000
+
+
 def run(args, providers):
     from hstu_inductor import config
 
@@ -135,6 +158,7 @@ def run(args, providers):
         gy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         want = _grads(ref_model, (inputs[0].float(),) + inputs[1:], gy.float())  # fp32 eager reference
         backend = "inductor" if prov.endswith("inductor") else "hstu"
+        extra = {}
         tables = {"hstu_tables": True, "hstu_dense": False}.get(prov, config.rab_tables)
         with config.patch(rab_tables=tables):
             compiled, counts = compiled_with_counts(model, inputs, backend)
@@ -151,7 +175,9 @@ def run(args, providers):
                 from _common import peak_mib
                 peak = peak_mib(step)[0]
                 ms = do_bench(step, rep=args.rep, return_mode="median")
-        row = dict(provider=prov, rewritten=counts, ms=round(ms, 3), peak_mib=round(peak, 1),
+                if args.gpu_time:
+                    extra = dict(kernel_ms=round(_kernel_ms(step), 3), host_ms=round(_host_ms(step), 3))
+        row = dict(provider=prov, rewritten=counts, ms=round(ms, 3), **extra, peak_mib=round(peak, 1),
                    err_out=f"{errs[0]:.2e}", err_dx=f"{errs[1]:.2e}",
                    err_d_time=f"{errs[2]:.2e}" if rab else "", err_d_pos=f"{errs[3]:.2e}" if rab else "")
         rows.append(row)
@@ -168,6 +194,8 @@ def main():
     ap.add_argument("--gap", choices=["next", "own"], default="next",
                     help="time gap ts(next(i)) - ts(j) (the original HSTU's) or ts(i) - ts(j)")
     ap.add_argument("--check", action="store_true", help="small CPU run (B=4, N=32): rewrites and errors")
+    ap.add_argument("--gpu-time", action="store_true",
+                    help="also each step's kernel time (profiler sum) and host time (GPU stalled)")
     layer_args(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -182,6 +210,9 @@ def main():
             print(f"hstu_tables: {t['inductor'] / t['hstu_tables']:.1f}x stock Inductor", flush=True)
         if "norab_hstu" in t and "hstu_tables" in t:
             print(f"hstu_tables: {t['hstu_tables'] / t['norab_hstu']:.2f}x the layer without rab under hstu")
+        k = {r["provider"]: r.get("kernel_ms") for r in rows}
+        if k.get("norab_hstu") and k.get("hstu_tables"):
+            print(f"hstu_tables: kernel time {k['hstu_tables'] / k['norab_hstu']:.2f}x the layer without rab")
 
 
 if __name__ == "__main__":

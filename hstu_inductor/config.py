@@ -139,6 +139,11 @@ OPTIONS: tuple[Option, ...] = (
            True, "HSTU_INDUCTOR_BWD_ALGO", allowed=("auto", "split", "atomic")),
     Option("dq_mode", 1, 'dQ accumulation of bwd_algo="atomic": 1 pointer atomics, 2 TMA reduce-add, 3 vectorized '
            "red.v2 (sm90).", True, "HSTU_INDUCTOR_DQ_MODE", int, (1, 2, 3)),
+    # The map costs B * N^2 bytes per call (uint8 buckets; int16 above 255 buckets), transient.
+    Option("bucket_map_mb", 1024, "The table bias's time buckets as one [B, N, N] map per call, computed once "
+           "for every head and read by the attention kernels, when it takes at most this many MiB; 0: each "
+           "kernel computes the bucket itself (docs/kernels.md).", True, "HSTU_INDUCTOR_BUCKET_MAP_MB", float,
+           check=lambda v: _number(v) and v >= 0, expect="a number of MiB >= 0"),
     Option("autotune", True, "Autotune the attention kernels (False: one default config each).", True,
            "HSTU_INDUCTOR_AUTOTUNE", lambda text: text != "0", _BOOL),
     Option("delta_config", None, "An index into kernels/delta.py's _CONFIGS replacing the cached attention plan's "

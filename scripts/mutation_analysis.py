@@ -34,6 +34,16 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+class _Record:
+    """``kernel[grid](*args, **kwargs)`` recorded as (kind, args, kwargs) instead of launched."""
+
+    def __init__(self, launches, kind, args):
+        self.launches, self.kind = launches, kind
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kind, args, kwargs))
+
+
 def main(*cases):
     """Each case ``TABLES[:ALGO]``: the tables, and the backward's ``config.bwd_algo`` (split: the dQ kernel;
     atomic: dQ in the dK/dV kernel). One process for all (its imports are most of the time)."""
@@ -49,10 +59,14 @@ def _case(case, which, algo):
     from hstu_inductor import config
     from hstu_inductor.kernels import attention as K
 
+    from hstu_inductor.kernels import bucket_map as BM
+
     config.bwd_algo = algo
     launches = []
     K._launch = lambda kind, grid_rows, grid_x, block_d, args, kwargs, **kw: launches.append((kind, args, kwargs))
     K._launcher = lambda kern, args: _NoLaunch()  # the dQ finalize kernel (atomic): no TTIR of interest
+    # the time-bucket map (kernels/bucket_map.py), which the attention kernels then read in place of timestamps
+    BM.launcher = lambda kern, args: _Record(launches, "bucket_map", args)
     L, H, D, N = 20, 2, 16, 16
     q, k, v, do = (torch.randn(L, H, D) for _ in range(4))
     off = torch.tensor([0, 8, 20])
@@ -64,13 +78,17 @@ def _case(case, which, algo):
     K.hstu_attention_fwd(q, k, v, off, N, 0.1, nt, **tkw)
     K.hstu_attention_bwd(do, q, k, v, off, N, 0.1, nt, table_grad=True, **tkw)
     for kind, args, kwargs in launches:
-        fn = K._JIT[kind]
+        fn = BM._bucket_map_kernel if kind == "bucket_map" else K._JIT[kind]
         kw = dict(zip(fn.arg_names, args))
-        kw.update({f: False for f in K._OPTIONAL_FLAGS[kind]})
+        if kind != "bucket_map":
+            kw.update({f: False for f in K._OPTIONAL_FLAGS[kind]})
+            kw.update(K._cfg(kind, *K._GPU_CONFIGS[(kind, "fp32")][0]).kwargs)
         kw.update(kwargs)
-        kw.update(K._cfg(kind, *K._GPU_CONFIGS[(kind, "fp32")][0]).kwargs)
-        acc = W.identify_accessed_tensors(fn, kw, {})
-        print(case, kind, "writes:", " ".join(d.name for d in acc.read_writes.writes))
+        if hasattr(W, "identify_accessed_tensors"):
+            writes = [d.name for d in W.identify_accessed_tensors(fn, kw, {}).read_writes.writes]
+        else:  # torch 2.11: the names only (a failed analysis logs its exception and reports every input)
+            writes = list(W.identify_mutated_tensors(fn, kw, {}))
+        print(case, kind, "writes:", " ".join(writes))
 
 
 if __name__ == "__main__":

@@ -370,9 +370,9 @@ def test_ts_bounds_input_errors():
 
 def test_table_kernels_mutation_analysis():
     """torch's mutation analysis of the launches (what torch.compile functionalizes by) reports only the kernels'
-    outputs as written: not pos_w / ts_w / timestamps / the thresholds (it did, through the time bucket feeding
-    the d ts_w addresses: compiled training then failed, "a leaf Variable that requires grad is being used in an
-    in-place operation"). SEQ_OFFSETS: every kernel's addresses derive from it through a helper (as on main).
+    outputs as written (the bucket map's kernel: its map): not pos_w / ts_w / timestamps / the thresholds (it did,
+    through the time bucket feeding the d ts_w addresses: compiled training then failed, "a leaf Variable that
+    requires grad is being used in an in-place operation"). SEQ_OFFSETS: every kernel's addresses derive from it through a helper (as on main).
     TTIR for sm90, no GPU needed; a subprocess because the kernel tests' interpreter mode replaces the kernels."""
     import os
     import subprocess
@@ -389,7 +389,9 @@ def test_table_kernels_mutation_analysis():
     for which, algo, dkdv_out in cases:
         lines = {ln.split()[1]: ln.split(":", 2)[2].split() for ln in got.stdout.splitlines()
                  if "writes:" in ln and ln.split()[0] == f"{which}:{algo}"}
-        want = {"fwd": ["O", "SEQ_OFFSETS"], "dkdv": ["DK", "DVo", "SEQ_OFFSETS", *dkdv_out.split()]}
+        # bucket_map: the time buckets' map (kernels/bucket_map.py) the other kernels read in place of timestamps
+        want = {"fwd": ["O", "SEQ_OFFSETS"], "dkdv": ["DK", "DVo", "SEQ_OFFSETS", *dkdv_out.split()],
+                "bucket_map": ["MAP"]}
         if algo == "split":
             want["dq"] = ["DQo", "SEQ_OFFSETS"]
         else:

@@ -112,7 +112,8 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, n, stride_rb, str
                    HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, TAB_HEADS: tl.constexpr):
     """The bias operands of sequence b, head h as one tuple for :func:`_bias`; 0 stands for an absent
     (None) pointer (a tuple cannot hold None). ``HAS_TS``: 1 for jagged ``[L]`` timestamps, 2 for dense
-    ``[B, N]``, each + 2 for the gap ``ts(i) - ts(j)`` instead of ``ts(next(i)) - ts(j)``. ``TSP``: the
+    ``[B, N]``, each + 2 for the gap ``ts(i) - ts(j)`` instead of ``ts(next(i)) - ts(j)``; 5: ``TS`` is the
+    call's ``[B, N, N]`` bucket map instead (kernels/bucket_map.py). ``TSP``: the
     time-bucket guess (slope, offset, usable) fitted to the thresholds ``TSB``, then the thresholds in fp32
     (:func:`_ts_plan`, :func:`_time_bucket`). ``TAB_HEADS``: bit 1, the position table has a row per head
     (``[H, 2N-1]``); bit 2, the time table (``[H, NB+1]``)."""
@@ -133,7 +134,9 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, n, stride_rb, str
         if TAB_HEADS % 2 == 1:
             POS_t = POSW + h.to(tl.int64) * (2 * MAX_N - 1)
     if HAS_TS:
-        if HAS_TS % 2 == 0:  # dense [B, N] timestamps (a padded input): row b starts at b * N
+        if HAS_TS == 5:  # the bucket map [B, N, N] (kernels/bucket_map.py)
+            TS_b = TS + b.to(tl.int64) * MAX_N * MAX_N
+        elif HAS_TS % 2 == 0:  # dense [B, N] timestamps (a padded input): row b starts at b * N
             TS_b = TS + b.to(tl.int64) * MAX_N
         else:  # jagged [L]
             TS_b = TS + start
@@ -351,8 +354,35 @@ def _ts_vectors(TS_b, rows, cols, n, MAX_N, HAS_TS: tl.constexpr):
 
 
 @triton.jit
+def _map_load(ptrs):
+    """One element of a bucket map (uint8 or int16) as int32, through the read-only path (see _table_load)."""
+    if _INTERPRET:
+        return tl.load(ptrs).to(tl.int32)
+    else:
+        asm: tl.constexpr = "ld.global.nc.u8 $0, [$1];" if ptrs.dtype.element_ty == tl.uint8 else \
+            "ld.global.nc.s16 $0, [$1];"
+        return tl.inline_asm_elementwise(asm, "=r,l", [ptrs.to(tl.int64, bitcast=True)], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def _time_bucket(rows, cols, i0, j0, n, seq, TS_b, MAX_N, TSB, TSP, NB, slope, off, fits,
                  HAS_TS: tl.constexpr, TS_STEPS: tl.constexpr, T: tl.constexpr):
+    """The time bucket on a tile (see :func:`_time_bucket_ts`); with ``HAS_TS`` 5 read from the call's bucket
+    map (kernels/bucket_map.py: ``TS_b`` is sequence b's ``[N, N]``), clamped into ``[0, NB]``: what the map
+    leaves unwritten (masked elements) stays a valid table index."""
+    if HAS_TS == 5:
+        r, c = _grid(tl.minimum(rows, MAX_N - 1), tl.minimum(cols, MAX_N - 1), T)
+        bk = tl.minimum(tl.maximum(_map_load(TS_b + (r * MAX_N + c)), 0), NB)
+    else:
+        bk = _time_bucket_ts(rows, cols, i0, j0, n, seq, TS_b, MAX_N, TSB, TSP, NB, slope, off, fits, HAS_TS,
+                             TS_STEPS, T)
+    return bk
+
+
+@triton.jit
+def _time_bucket_ts(rows, cols, i0, j0, n, seq, TS_b, MAX_N, TSB, TSP, NB, slope, off, fits,
+                    HAS_TS: tl.constexpr, TS_STEPS: tl.constexpr, T: tl.constexpr):
     """#{k : |tsn - tsj| >= TSB[k]} exactly on the tile of query positions ``rows`` against keys ``cols``
     (vectors, laid out by :func:`_grid` and ``T``; timestamps by :func:`_ts_vectors`), the gap taken in the
     timestamps' dtype (int32/int64/fp32/fp64). ``TSB``: sorted thresholds, int64 for integer gaps, else the

@@ -227,6 +227,82 @@ def test_table_bias_fwd_bwd(case, poison, monkeypatch):
     _check(q, k, v, dout, off, N, 0.25, rab=rab, tma=tma, deterministic=algo == "split", tables=tables, **kw)
 
 
+MAP_CASES = {  # timestamps (jagged or dense [B, N]), gap, mask options, backward algorithm
+    "jagged_next_targets": (False, True, dict(num_targets=[2, 0, 1, 3]), "atomic"),
+    "dense_own_window": (True, False, dict(max_attn_len=5), "split"),
+    "jagged_next_ctx": (False, True, dict(contextual_seq_len=3), "atomic"),  # the map's upper triangle too
+    "dense_next_noncausal": (True, True, dict(causal=False), "atomic"),
+}
+
+
+@SMALL
+@pytest.mark.parametrize("case", list(MAP_CASES))
+def test_bucket_map_equals_per_tile_buckets(case, poison, monkeypatch):
+    """The buckets read from the call's [B, N, N] map (kernels/bucket_map.py, unwritten elements poisoned to
+    the dtype's max) give the same output and gradients, bit for bit, as every kernel computing its own; and
+    the kernels take the map only within ``config.bucket_map_mb``."""
+    from hstu_inductor.kernels import bucket_map
+
+    dense, ts_next, opts, algo = MAP_CASES[case]
+    monkeypatch.setattr(config, "bwd_algo", algo)
+    seed = sum(map(ord, case))
+    q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=seed)
+    kw = _mask_kwargs(opts, q.shape[0], seed=seed)
+    ts, pos_w, ts_w = _tables(LENGTHS, N, 20, torch.int64, "pos+ts", seed=seed + 1)
+    if dense:
+        ts = _dense_stamps(ts, LENGTHS, N, seed + 2)
+    tkw = dict(timestamps=ts, pos_w=pos_w, ts_w=ts_w, ts_next=ts_next)
+    used = []
+    real = bucket_map.with_bucket_map
+    monkeypatch.setattr(K, "with_bucket_map", lambda *a: used.append(real(*a)[1]["HAS_TS"]) or real(*a))
+    results = {}
+    for mb in (1024, 0):
+        monkeypatch.setattr(config, "bucket_map_mb", mb)
+        out = K.hstu_attention_fwd(q, k, v, off, N, 0.25, **tkw, **kw)
+        grads = K.hstu_attention_bwd(dout, q, k, v, off, N, 0.25, deterministic=algo == "split", table_grad=True,
+                                     **tkw, **kw)
+        results[mb] = (out, *grads[:3], *grads[-2:])
+    assert used == [5, 5, 1 + dense + 2 * (not ts_next), 1 + dense + 2 * (not ts_next)]
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dpos", "dts"), results[1024], results[0]):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
+    _check(q, k, v, dout, off, N, 0.25, deterministic=algo == "split", tables=(ts, pos_w, ts_w),
+           ts_next=ts_next, **kw)  # the map's path against the fp64 reference (bucket_map_mb = 0 now: the other)
+
+
+def test_bucket_map_budget_and_dtype(monkeypatch):
+    """The map is used within ``config.bucket_map_mb`` only: uint8 up to 255 buckets, int16 above, none past
+    32767 buckets; the upper triangle is skipped only when no mask option lets a query read a later key."""
+    from hstu_inductor.kernels import bucket_map as BM
+    from hstu_inductor.spec import AttentionSpec
+
+    calls = []
+    monkeypatch.setattr(BM, "launcher", lambda kern, args: type("L", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: calls.append((grid, kw)))})())
+    off = torch.tensor([0, 5, 12])
+    ts = torch.arange(12)
+
+    def run(nb, mb, n=8):
+        monkeypatch.setattr(config, "bucket_map_mb", mb)
+        args = (ts, None, torch.zeros(nb + 1), nb)
+        return BM.with_bucket_map(args, (None, None), dict(HAS_TS=1, TS_STEPS=3), off, 12, 2, n, True)
+
+    (bmap, _, _, _), flags = run(20, 1024)
+    assert flags["HAS_TS"] == 5 and bmap.shape == (2, 8, 8) and bmap.dtype == torch.uint8
+    assert calls[-1][0] == (1, 2) and calls[-1][1]["LOWER"] is True and calls[-1][1]["HAS_TS"] == 1
+    assert run(300, 1024)[0][0].dtype == torch.int16
+    assert run(40000, 1024)[1]["HAS_TS"] == 1  # more buckets than int16 holds: computed per tile
+    assert run(20, 2 * 8 * 8 / 2 ** 20)[1]["HAS_TS"] == 5  # exactly the budget
+    assert run(20, 2 * 8 * 8 / 2 ** 20 - 1e-9)[1]["HAS_TS"] == 1
+    assert run(20, 0)[1]["HAS_TS"] == 1
+    n_launch = len(calls)
+    assert run(20, 1e9, n=46341)[1]["HAS_TS"] == 1 and len(calls) == n_launch  # 32-bit offsets in the readers
+    assert BM.keys_up_to_query(AttentionSpec(), None)
+    assert BM.keys_up_to_query(AttentionSpec(max_attn_len=4, min_full_attn_seq_len=2), None)
+    assert not BM.keys_up_to_query(AttentionSpec(contextual_seq_len=2), None)
+    assert not BM.keys_up_to_query(AttentionSpec(causal=False), None)
+    assert not BM.keys_up_to_query(AttentionSpec(), torch.zeros(1, 12, 3))
+
+
 def _dense_stamps(ts, lengths, n, seed, pad=None):
     """``[B, N]`` timestamps: each sequence's jagged timestamps, then ``pad`` (random values of the same
     range when None: a padded input's padding is data the bias reads at ``next(n_b - 1) = n_b``)."""
@@ -713,6 +789,30 @@ def test_gpu_tables_per_head(tma, poison, monkeypatch):
         monkeypatch.setattr(config, "bwd_algo", algo)
         _check(q, k, v, dout, off, n, 1.0 / D, tables=tables, tma=tma, deterministic=algo == "split",
                num_targets=nt.to(DEV))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_bucket_map_equals_per_tile_buckets(poison, monkeypatch):
+    """On the GPU (inline-PTX byte loads, bf16, N=1024, per-head tables, wide int64 timestamps): the forward
+    reading the bucket map equals the one computing buckets per tile bit for bit; the gradients (fp32 atomics
+    in either order) agree within rounding; and the map's path stays within bf16 bounds of the fp64 reference."""
+    n, D = 1024, 128
+    q, k, v, dout, off, nt, tables = _gpu_per_head_case(False, 4, n, 4, D, seed=29)
+    ts, pos_w, ts_w = tables
+    tkw = dict(timestamps=ts, pos_w=pos_w, ts_w=ts_w, num_targets=nt.to(DEV))
+    monkeypatch.setattr(config, "bwd_algo", "atomic")
+    got = {}
+    for mb in (1024, 0):
+        monkeypatch.setattr(config, "bucket_map_mb", mb)
+        out = K.hstu_attention_fwd(q, k, v, off, n, 1.0 / D, **tkw)
+        grads = K.hstu_attention_bwd(dout, q, k, v, off, n, 1.0 / D, deterministic=False, table_grad=True, **tkw)
+        got[mb] = (out, *grads[:3], *grads[-2:])
+    assert torch.equal(got[1024][0], got[0][0])
+    for name, a, b in zip(("dq", "dk", "dv", "dpos", "dts"), got[1024][1:], got[0][1:]):
+        assert rel_err(a, b) < 1e-2, name
+    monkeypatch.setattr(config, "bucket_map_mb", 1024)
+    _check(q, k, v, dout, off, n, 1.0 / D, tables=tables, deterministic=False, num_targets=nt.to(DEV))
 
 
 def _gpu_per_head_case(tma, B, n, H, D, seed, nb=128):
