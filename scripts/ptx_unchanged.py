@@ -1,6 +1,7 @@
 """Compile the attention kernels for sm90 on a GPU-less machine and diff their PTX against a git revision.
 
     .venv/bin/python scripts/ptx_unchanged.py [REV]      (REV defaults to HEAD; compares the working tree)
+    .venv/bin/python scripts/ptx_unchanged.py --tables [REV]   (also the table-bias kernels at the tuner's pick)
     .venv/bin/python scripts/ptx_unchanged.py --features[=all] [dkdv=32,64,4,3 fwd=64,32,4,3] [--dq-mode=3]
                                                          (registers / spills of the bias variants at a config)
 
@@ -206,22 +207,30 @@ VARIANTS = (("fwd", False, 0), ("fwd", True, 0), ("dq", False, 0), ("dq", True, 
             ("dkdv", False, 0), ("dkdv", True, 0), ("dkdv", False, 1))
 VARIANTS = tuple((*v, None) for v in VARIANTS) + tuple((*v, "full_mask") for v in VARIANTS if not v[1])
 MASKS = {None: None, "full_mask": FULL_MASK}
+# --tables: the table-bias kernels (timestamps computed per tile) at the configs the tuner picks for them
+TABLE_VARIANTS = tuple((kind, feat, blocks) for feat in ("tables", "tables_per_head")
+                       for kind, blocks in (("fwd", (64, 32, 4, 3)), ("dkdv", (32, 64, 4, 3))))
 
 
-def _dump(root, out):
+def _dump(root, out, tables=False):
     """The normalised PTX bodies of ``root``'s kernels (a package tree) as JSON: one process per tree,
     since the kernels import helpers from sibling modules of their own revision."""
     sys.path.insert(0, root)
     import hstu_inductor.kernels.attention as mod
+    bodies = [_body(_ptx(mod, kind, tma, dq_mode, mask=MASKS[m])) for kind, tma, dq_mode, m in VARIANTS]
+    if tables:
+        bodies += [_body(_ptx(mod, kind, False, 3 if kind == "dkdv" else 0, FEATURES[feat], blocks=blocks))
+                   for kind, feat, blocks in TABLE_VARIANTS]
     with open(out, "w") as f:
-        json.dump([_body(_ptx(mod, kind, tma, dq_mode, mask=MASKS[m])) for kind, tma, dq_mode, m in VARIANTS], f)
+        json.dump(bodies, f)
 
 
-def _bodies(root):
+def _bodies(root, tables=False):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--dump", root, out], check=True, env=env)
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--dump" + ("-tables" if tables else ""), root, out],
+                   check=True, env=env)
     with open(out) as f:
         return json.load(f)
 
@@ -233,21 +242,25 @@ def main():
                    for a in sys.argv[2:] if not a.startswith("--")}
         dq = [int(a.split("=")[1]) for a in sys.argv[2:] if a.startswith("--dq-mode=")]
         return features(split=sys.argv[1] == "--features=all", configs=configs, dq_mode=dq[0] if dq else 0)
-    if sys.argv[1:2] == ["--dump"]:
-        return _dump(sys.argv[2], sys.argv[3])
-    rev = sys.argv[1] if len(sys.argv) > 1 else "HEAD"
+    if sys.argv[1:2] in (["--dump"], ["--dump-tables"]):
+        return _dump(sys.argv[2], sys.argv[3], tables=sys.argv[1] == "--dump-tables")
+    args = sys.argv[1:]
+    tables = "--tables" in args
+    args = [a for a in args if a != "--tables"]
+    rev = args[0] if args else "HEAD"
     with tempfile.TemporaryDirectory() as old_root:
         tar = subprocess.run(["git", "-C", ROOT, "archive", rev, "hstu_inductor"], check=True,
                              capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", old_root], input=tar, check=True)
-        olds = _bodies(old_root)
-    news = _bodies(ROOT)
+        olds = _bodies(old_root, tables)
+    news = _bodies(ROOT, tables)
     ok = True
-    for (kind, tma, dq_mode, m), a, b in zip(VARIANTS, olds, news):
+    names = [f"{kind:5s} tma={tma!s:5s} dq_mode={dq_mode} {m or '':9s}" for kind, tma, dq_mode, m in VARIANTS]
+    names += [f"{kind:5s} {feat} {blocks}" for kind, feat, blocks in (TABLE_VARIANTS if tables else ())]
+    for name, a, b in zip(names, olds, news):
         same = a == b
         ok &= same
-        print(f"{kind:5s} tma={tma!s:5s} dq_mode={dq_mode} {m or '':9s}: {'identical' if same else 'DIFFERENT'} "
-              f"({len(b)} PTX lines)")
+        print(f"{name}: {'identical' if same else 'DIFFERENT'} ({len(b)} PTX lines)")
         if not same:
             sys.stdout.writelines(list(difflib.unified_diff(a, b, lineterm="\n", n=1))[:40])
     sys.exit(0 if ok else 1)

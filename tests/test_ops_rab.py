@@ -270,7 +270,7 @@ def test_gpu_op_rab_intervals(compiled):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, True, "dynamic"], ids=["eager", "compiled", "dynamic"])
 def test_gpu_op_tables(compiled):
     """Path (b) through the op on the GPU (bf16 q/k/v, fp32 tables, int64 timestamps), eager and compiled,
     against the fp64 reference (``relative_bias`` + dense path); a dense [1, H] rab on top in one call.
@@ -291,7 +291,8 @@ def test_gpu_op_tables(compiled):
             return ops.attention(q_, k_, v_, off, n, 1.0 / d, nt, None, 64, 2, 0, True, r_, None, ts, p_, t_,
                                  bounds)
 
-        f = torch.compile(fn, fullgraph=True) if compiled else fn
+        # "dynamic": symbolic sizes, the bucket map's size and grid too (kernels/bucket_map.py)
+        f = torch.compile(fn, fullgraph=True, dynamic=compiled == "dynamic") if compiled else fn
         ins = [q, k, v, rab if use_rab else None, pos_w, ts_w]
         leaves = [t for t in ins if t is not None]
         out = f(*ins)
