@@ -54,6 +54,7 @@ def _bucket_map_kernel(MAP, SEQ_OFFSETS, TS, TSB, TSP, NB, ROWS, MAX_N, HAS_TS: 
 
 
 def _map_dtype(num_buckets):
+    """The smallest integer dtype holding buckets 0..num_buckets (None: none small enough to pay off)."""
     if _compat.guarded(num_buckets <= 255):
         return torch.uint8
     return torch.int16 if _compat.guarded(num_buckets <= 32767) else None
@@ -88,10 +89,9 @@ def with_bucket_map(tab_args: tuple, tab_bnd: tuple, tab_flags: dict, seq_offset
         bmap = torch.full((batch, max_seq_len, max_seq_len), torch.iinfo(dtype).max, dtype=dtype, device=device)
     else:
         bmap = torch.empty((batch, max_seq_len, max_seq_len), dtype=dtype, device=device)
-    if batch > 0 and max_seq_len > 0:
-        tsb, tsp = tab_bnd
-        args = (bmap, seq_offsets, ts, tsb, tsp, nb, rows, max_seq_len)
-        grid = (triton.cdiv(max_seq_len, _BLOCK), batch)
-        launcher(_bucket_map_kernel, args)[grid](*args, HAS_TS=has_ts, TS_STEPS=tab_flags["TS_STEPS"], LOWER=lower,
-                                                 BLOCK_M=_BLOCK, BLOCK_N=_BLOCK)
+    tsb, tsp = tab_bnd
+    args = (bmap, seq_offsets, ts, tsb, tsp, nb, rows, max_seq_len)
+    grid = (-(-max_seq_len // _BLOCK), batch)  # plain arithmetic: SymInts too; callers return early for B, N = 0
+    launcher(_bucket_map_kernel, args)[grid](*args, HAS_TS=has_ts, TS_STEPS=tab_flags["TS_STEPS"], LOWER=lower,
+                                             BLOCK_M=_BLOCK, BLOCK_N=_BLOCK)
     return (bmap, pos_w, ts_w, nb), dict(tab_flags, HAS_TS=MAP_HAS_TS)
