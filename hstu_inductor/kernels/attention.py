@@ -431,8 +431,9 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, spec
     if rows == 0 or B <= 0 or H == 0 or max_seq_len <= 0:
         return out.zero_()
     if delta_rows == 0:  # cached attention reads a few rows of the map: it computes its buckets itself
-        tab_args, tab_flags = with_bucket_map(tab_args, tab_bnd, tab_flags, seq_offsets, k.shape[0], B, max_seq_len,
-                                              keys_up_to_query(spec, intervals))
+        with _device_ctx(q.device):
+            tab_args, tab_flags = with_bucket_map(tab_args, tab_bnd, tab_flags, seq_offsets, k.shape[0], B,
+                                                  max_seq_len, keys_up_to_query(spec, intervals))
     use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
     flags = spec.kernel_flags(has_targets=num_targets is not None, has_intervals=intervals is not None)
@@ -558,8 +559,9 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
         raise ValueError(f"dout must be {(L, H, Dv)}, got {tuple(dout.shape)}")
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
-    tab_args, tab_flags = with_bucket_map(tab_args, tab_bnd, tab_flags, seq_offsets, L, B, max_seq_len,
-                                          keys_up_to_query(spec, intervals))
+    with _device_ctx(q.device):  # the map kernel launches on the current device
+        tab_args, tab_flags = with_bucket_map(tab_args, tab_bnd, tab_flags, seq_offsets, L, B, max_seq_len,
+                                              keys_up_to_query(spec, intervals))
     use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
     flags = spec.kernel_flags(has_targets=num_targets is not None, has_intervals=intervals is not None)
