@@ -227,11 +227,12 @@ def test_table_bias_fwd_bwd(case, poison, monkeypatch):
     _check(q, k, v, dout, off, N, 0.25, rab=rab, tma=tma, deterministic=algo == "split", tables=tables, **kw)
 
 
-MAP_CASES = {  # timestamps (jagged or dense [B, N]), gap, mask options, backward algorithm
-    "jagged_next_targets": (False, True, dict(num_targets=[2, 0, 1, 3]), "atomic"),
-    "dense_own_window": (True, False, dict(max_attn_len=5), "split"),
-    "jagged_next_ctx": (False, True, dict(contextual_seq_len=3), "atomic"),  # the map's upper triangle too
-    "dense_next_noncausal": (True, True, dict(causal=False), "atomic"),
+MAP_CASES = {  # timestamps (jagged or dense [B, N]), gap, mask options, backward algorithm, buckets
+    "jagged_next_targets": (False, True, dict(num_targets=[2, 0, 1, 3]), "atomic", 20),
+    "dense_own_window": (True, False, dict(max_attn_len=5), "split", 20),
+    "jagged_next_ctx": (False, True, dict(contextual_seq_len=3), "atomic", 20),  # the map's upper triangle too
+    "dense_next_noncausal": (True, True, dict(causal=False), "atomic", 20),
+    "jagged_next_int16_map": (False, True, dict(), "atomic", 300),  # more buckets than a byte holds
 }
 
 
@@ -243,12 +244,12 @@ def test_bucket_map_equals_per_tile_buckets(case, poison, monkeypatch):
     the kernels take the map only within ``config.bucket_map_mb``."""
     from hstu_inductor.kernels import bucket_map
 
-    dense, ts_next, opts, algo = MAP_CASES[case]
+    dense, ts_next, opts, algo, nb = MAP_CASES[case]
     monkeypatch.setattr(config, "bwd_algo", algo)
     seed = sum(map(ord, case))
     q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=seed)
     kw = _mask_kwargs(opts, q.shape[0], seed=seed)
-    ts, pos_w, ts_w = _tables(LENGTHS, N, 20, torch.int64, "pos+ts", seed=seed + 1)
+    ts, pos_w, ts_w = _tables(LENGTHS, N, nb, torch.int64, "pos+ts", seed=seed + 1)
     if dense:
         ts = _dense_stamps(ts, LENGTHS, N, seed + 2)
     tkw = dict(timestamps=ts, pos_w=pos_w, ts_w=ts_w, ts_next=ts_next)
