@@ -150,7 +150,8 @@ OPTIONS: tuple[Option, ...] = (
            "tile and pipeline (None: the plan's own).", True, "HSTU_INDUCTOR_DELTA_CONFIG", int,
            check=lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
            expect="None or an index into _CONFIGS"),
-    Option("fastlaunch", "on", 'Launches of the Gluon kernels: "on" (cached), "off" (always kernel[grid]), "verify" '
+    Option("fastlaunch", "on", 'Launches of the Gluon kernels and the input check: "on" (cached), "off" (always '
+           'kernel[grid]), "verify" '
            "(cached, each checked against Triton's own; tests).", False, "HSTU_INDUCTOR_FASTLAUNCH", _fastlaunch,
            ("on", "off", "verify")),
 )

@@ -1,5 +1,6 @@
-"""Cached launches of compiled (Gluon) kernels: ``kernel[grid](*args, **meta)`` without ``JITFunction.run`` on
-repeat calls (the Gluon forward's host function cost 98-164 us on the H100; benchmarks/RESULTS.md, 2026-11-24).
+"""Cached launches of compiled kernels (the Gluon attention kernels, the jagged-input check): ``kernel[grid](*args,
+**meta)`` without ``JITFunction.run`` on repeat calls (the Gluon forward's host function cost 98-164 us on the
+H100; benchmarks/RESULTS.md, 2026-11-24).
 
 The first call for a specialisation goes through ``kernel[grid]`` (compiles, fills Triton's cache) and keeps the
 ``CompiledKernel`` under a key computed here; later calls with the same key call its launcher directly. What is
@@ -7,7 +8,8 @@ skipped: building and validating gluon ``TensorDescriptor`` objects, Triton's bi
 argument, ``repr`` of every descriptor layout), its cache-key string, ``launch_metadata`` and the two empty hook
 chains the C launcher would call. What stays: the launcher (TMA descriptor encoding, pointer checks, launch).
 
-The key (:func:`_arg_key`, :func:`launch`) holds everything Triton 3.6 specialises on (``runtime/jit.py``
+The key (:func:`_arg_key`, :func:`launch`) holds everything Triton 3.6 specialises on (``do_not_specialize``
+parameters by type only; ``runtime/jit.py``
 ``create_function_from_signature`` -> ``native_specialize_impl``; ``python/src/specialize.cc``), and a little
 more. Private Triton API lives only here; anything unexpected falls back to ``kernel[grid]``.
 
@@ -60,22 +62,28 @@ def _int_key(a: int):
     # specialize.cc handle_long_type: 1 becomes a constexpr; else i32 / i64 / u64 by range, "D" if a % 16 == 0
     if a == 1:
         return "one"
-    size = 32 if _I32[0] <= a <= _I32[1] else (64 if _I64[0] <= a <= _I64[1] else 65)
-    return size, not a & 15
+    return _int_size(a), not a & 15
 
 
-def _arg_key(args) -> tuple | None:
+def _int_size(a: int) -> int:
+    return 32 if _I32[0] <= a <= _I32[1] else (64 if _I64[0] <= a <= _I64[1] else 65)
+
+
+def _arg_key(args, nospec=()) -> tuple | None:
     """Triton's specialisation of each runtime argument, or None for an argument we do not model (the call then
-    goes through ``kernel[grid]``, uncached)."""
+    goes through ``kernel[grid]``, uncached). ``nospec``: positions of ``do_not_specialize`` parameters, which
+    Triton types only (an int by its range, a pointer by its dtype)."""
     out = []
-    for a in args:
+    for i, a in enumerate(args):
         t = type(a)
         if t is Desc:
             out.append(a.key)
         elif t is torch.Tensor:  # handle_tensor: pointer dtype, "D" if the address is 16-byte aligned
-            out.append((a.dtype, not a.data_ptr() & 15))
+            out.append((a.dtype, i in nospec or not a.data_ptr() & 15))
         elif t is int:
-            out.append(_int_key(a))
+            out.append(("n", _int_size(a)) if i in nospec else _int_key(a))
+        elif a is None:  # a constexpr None in the signature
+            out.append("none")
         elif t is float:  # handle_float_type: always fp32, no value specialisation
             out.append("f")
         else:  # bool, None, numpy scalars, tensor subclasses, ...: not modelled here
@@ -118,16 +126,17 @@ def _slow(kernel, grid, args, meta):
     return kernel[grid](*args, **meta)
 
 
-def _modelled(kernel) -> bool:
-    """A JITFunction as this module reads it (Triton 3.6) whose runtime arguments are unannotated and fully
-    specialised (what _arg_key models); anything else always takes ``kernel[grid]``."""
+def _modelled(kernel):
+    """For a JITFunction as this module reads it (Triton 3.6) whose runtime arguments are unannotated and either
+    fully specialised or ``do_not_specialize`` (what _arg_key models): the positions of the latter (a frozenset);
+    anything else (None) always takes ``kernel[grid]``."""
     try:
-        return (isinstance(kernel.pre_run_hooks, list) and isinstance(kernel.device_caches, dict)
-                and hasattr(kernel, "debug") and len(kernel.params) == len(kernel.arg_names)
-                and all(p.is_constexpr or not (p.do_not_specialize or p.do_not_specialize_on_alignment or p.annotation)
-                        for p in kernel.params))
+        ok = (isinstance(kernel.pre_run_hooks, list) and isinstance(kernel.device_caches, dict)
+              and hasattr(kernel, "debug") and len(kernel.params) == len(kernel.arg_names)
+              and all(p.is_constexpr or not (p.do_not_specialize_on_alignment or p.annotation) for p in kernel.params))
+        return frozenset(i for i, p in enumerate(kernel.params) if p.do_not_specialize) if ok else None
     except Exception:
-        return False
+        return None
 
 
 def _entry(kernel, compiled, n_args: int, meta: dict, CompiledKernel):
@@ -161,7 +170,7 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict):
     if held is None:  # the kernel is kept with its cache, so its id is never reused while the entry lives
         held = _CACHES[id(kernel)] = (kernel, {}, _modelled(kernel))
     rt = knobs.runtime
-    spec = _arg_key(args) if held[2] else None
+    spec = _arg_key(args, held[2]) if held[2] is not None else None
     if spec is None or kernel.pre_run_hooks or not (_no_hook(rt.launch_enter_hook, HookChain)
                                                     and _no_hook(rt.launch_exit_hook, HookChain)):
         return _slow(kernel, grid, args, meta)  # hooks must see every launch: Triton's path

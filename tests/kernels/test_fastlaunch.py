@@ -90,8 +90,23 @@ def test_unmodelled_arguments_are_not_keyed():
     class Sub(torch.Tensor):
         pass
 
-    for a in (True, None, torch.zeros(2).as_subclass(Sub), torch.tensor(3).numpy()[()]):
+    for a in (True, torch.zeros(2).as_subclass(Sub), torch.tensor(3).numpy()[()]):
         assert fl._arg_key((0, a)) is None
+
+
+def test_none_and_do_not_specialize_keys_match_triton():
+    """None (a constexpr None to Triton) keys apart from every value; a ``do_not_specialize`` argument keys by
+    what Triton types it by (an int's range, a pointer's dtype), no finer and no coarser."""
+    assert fl._arg_key((None, )) == ("none", ) and _triton_spec(None) == ("constexpr", None)
+    base = torch.zeros(64, dtype=torch.float64)
+    args = INTS + [base.view(dtype)[i:] for dtype in (torch.int32, torch.int64) for i in range(0, 5)]
+    by_key, by_spec = defaultdict(set), defaultdict(set)
+    for a in args:
+        spec = native_specialize_impl(BaseBackend, a, False, False, True)
+        by_key[fl._arg_key((a, ), nospec={0})].add(spec)
+        by_spec[spec].add(fl._arg_key((a, ), nospec={0}))
+    assert all(len(v) == 1 for v in by_key.values()), by_key
+    assert all(len(v) == 1 for v in by_spec.values()), by_spec
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -302,13 +317,19 @@ def _toy_dns(X, n, C: gl.constexpr):
     gl.store(X + n, C)
 
 
+@gluon.jit(do_not_specialize_on_alignment=["n"])
+def _toy_dnsa(X, n, C: gl.constexpr):
+    gl.store(X + n, C)
+
+
 @gluon.jit
 def _toy_global(X, n, C: gl.constexpr):
     gl.store(X + n, _G)
 
 
-@pytest.mark.parametrize("kern,cached", [(_toy_ok, True), (_toy_dns, False), (_toy_global, False)],
-                         ids=["modelled", "do_not_specialize", "reads_a_global"])
+@pytest.mark.parametrize("kern,cached", [(_toy_ok, True), (_toy_dns, True), (_toy_dnsa, False),
+                                         (_toy_global, False)],
+                         ids=["modelled", "do_not_specialize", "no_alignment_specialisation", "reads_a_global"])
 def test_only_modelled_kernels_are_cached(fake_gpu, monkeypatch, kern, cached):
     """Kernels whose specialisation the key does not model stay on Triton's path (its global check included)."""
     monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
@@ -319,6 +340,19 @@ def test_only_modelled_kernels_are_cached(fake_gpu, monkeypatch, kern, cached):
     assert (fake_gpu.normalised(1)[3] == (None, None, None)) == cached
 
 
+def test_do_not_specialize_values_share_one_compile(fake_gpu, monkeypatch):
+    """A ``do_not_specialize`` int takes one compile for 1, 16 and 17 (Triton's three specialisations otherwise),
+    each cached launch checked against Triton's own binder and cache ("verify"), its value passed through."""
+    monkeypatch.setattr(_toy_dns, "device_caches", defaultdict(_toy_dns.create_binder))
+    monkeypatch.setattr(_toy_dns, "_do_compile", fake_gpu.do_compile(_toy_dns))
+    x = torch.zeros(4)
+    before = fl.VERIFIED
+    for n in (1, 16, 17, 1):
+        fl.launch(_toy_dns, (1, ), (x, n), dict(C=2))
+    assert len(fake_gpu.compiled) == 1 and fl.VERIFIED - before == 3
+    assert [fake_gpu.normalised(i)[2][1] for i in range(4)] == [1, 16, 17, 1]
+
+
 def test_other_triton_versions_take_kernel_grid(fake_gpu, monkeypatch):
     """The launcher convention is copied from 3.6: another version never uses the cache (until checked)."""
     monkeypatch.setattr(fl, "_VERSIONS", ("9.9.", ))
@@ -327,3 +361,29 @@ def test_other_triton_versions_take_kernel_grid(fake_gpu, monkeypatch):
     for _ in range(2):
         _fwd(c)
     assert fake_gpu.normalised(1)[3][1] is knobs.runtime.launch_enter_hook and not fl._CACHES
+
+
+def test_fused_check_is_cached_with_the_same_launch(fake_gpu, monkeypatch):
+    """The jagged-input check kernel (``debug=True``, its sizes ``do_not_specialize``, ``ok_out`` None) goes through
+    the cache from its second call: one compile across batch sizes, the launcher given what Triton gives it."""
+    from triton.runtime.jit import JITFunction
+
+    from hstu_inductor.kernels import checks
+
+    # the kernel as a GPU build sees it (the test session's kernels are the interpreter's)
+    src = getattr(checks._check_jagged_kernel, "fn", checks._check_jagged_kernel)
+    kern = JITFunction(src, debug=True, do_not_specialize=checks._SIZES)
+    monkeypatch.setattr(checks, "_check_jagged_kernel", kern)
+    monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
+    monkeypatch.setattr(kern, "_do_compile", fake_gpu.do_compile(kern))
+    for nt in (None, torch.tensor([1, 0, 2])):
+        fake_gpu.launches.clear()
+        off = torch.tensor([0, 3, 3, 9])
+        for L, N in ((9, 16), (9, 17), (9, 1)):
+            checks.check_jagged(off, L, N, nt)
+        heads = [fake_gpu.normalised(i) for i in range(3)]
+        assert heads[0][3][1] is knobs.runtime.launch_enter_hook  # Triton's own first launch
+        assert all(h[3] == (None, None, None) for h in heads[1:])  # then cached
+        assert [h[2][5] for h in heads] == [16, 17, 1] and all(h[2][2] is None for h in heads)
+        assert heads[0][2][:5] == heads[1][2][:5]
+    assert len(fake_gpu.compiled) == 2  # with and without targets; no compile per size
