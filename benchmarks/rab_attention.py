@@ -27,7 +27,8 @@ HSTU_SEMANTICS.md (the bias adds no matrix FLOPs), the peak memory of one forwar
 what was allocated before it (``peak_mib``: what the step itself needs, e.g. N x N buffers) and the
 absolute ``torch.cuda.max_memory_allocated`` (``peak_total_mib``, inputs included). Errors of the output
 and of the bias gradient (``d_rab``, or ``d_pos_w`` / ``d_ts_w``) against the fp32 reference on the same
-inputs are printed for N <= 1024. Writes ``rab_attention.csv`` under ``--out``.
+inputs are printed for N <= 1024 (the breakdown's too, its frozen or absent tables as constants; none for the
+forward-only rows). Writes ``rab_attention.csv`` under ``--out``.
 """
 from __future__ import annotations
 
@@ -186,15 +187,21 @@ def _run(args):
             if args.profile:
                 _profile(step, f"N={N} {prov}")
             err = grad_err = float("nan")
-            if prov in PROVIDERS[1:] and N <= 1024:  # the fp32 eager reference holds several [B, H, N, N] tensors
+            checked = prov in PROVIDERS[1:] or (prov in BREAKDOWN and not prov.endswith("_fwd"))
+            if checked and N <= 1024:  # the fp32 eager reference holds several [B, H, N, N] tensors
                 r32 = [t.detach().float().requires_grad_() for t in ins]
-                bias = relative_bias(ts, off, N, r32[3], r32[4]) if tables else r32[3]
+                if tables:  # the tables the provider differentiates are leaves; frozen ones constants
+                    leaf = {id(t): c for t, c in zip(ins, r32)}
+                    p32, t32 = (None if t is None else leaf.get(id(t), t.detach().float()) for t in tabs)
+                    bias = relative_bias(ts, off, N, p32, t32)
+                else:
+                    bias = r32[3]
                 ref = hstu_mha(N, alpha, *r32[:3], off, rab=bias)
                 want = torch.autograd.grad(ref, r32, do.float())
                 out = fwd()
                 got = torch.autograd.grad(out, ins, do)
                 err = rel(out, ref)
-                grad_err = max(rel(a, b) for a, b in zip(got[3:], want[3:]))
+                grad_err = max((rel(a, b) for a, b in zip(got[3:], want[3:])), default=float("nan"))
                 del ref, want, bias, r32
                 torch.cuda.empty_cache()
             rows.append(dict(N=N, provider=prov, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
