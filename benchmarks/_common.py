@@ -95,3 +95,24 @@ def host_us(fn, calls, reps, stall_cycles):
         covered += not stream.query()
     torch.cuda.synchronize()
     return statistics.median(times), min(times), covered / reps
+
+
+def kernel_ms(step, steps=10) -> float:
+    """GPU time of one step: the sum of its kernels' durations (torch.profiler), what the step would take if
+    the host never held the GPU up."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                for e in prof.key_averages())
+    return total / steps / 1000
+
+
+def host_ms(step) -> float:
+    """Host time of one step with the GPU stalled (:func:`host_us`, median, 4 steps per timing): above the
+    kernel time, the step is bound by the host."""
+    return host_us(step, 4, 10, int(100 * sleep_cycles_per_ms()))[0] / 1000

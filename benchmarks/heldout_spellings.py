@@ -22,7 +22,8 @@ Spellings (``--spelling``), one model each:
 the report of ``explain`` (what was rewritten), the relative error of the output and of dx against eager,
 and one training step (forward and backward, ``do_bench`` median) for stock Inductor and for
 ``backend="hstu"``, in the same process. Writes ``heldout_spellings.csv``. ``--host``: also each step's host
-time with the GPU stalled (a step whose host time exceeds its GPU time is bound by it); ``--cprofile``: with it,
+time with the GPU stalled and its kernel time (the profiler's sum; a step whose host time exceeds its kernel
+time is bound by the host); ``--cprofile``: with it,
 a cProfile of eight steps per model and backend (``heldout_cprofile_*.txt``).
 """
 from __future__ import annotations
@@ -276,7 +277,7 @@ def _cprofile(step, stall, path, steps=8):
 def bench(names, args):
     from triton.testing import do_bench
 
-    from _common import compiled_with_counts, host_us, sleep_cycles_per_ms, write_csv
+    from _common import compiled_with_counts, host_us, kernel_ms, sleep_cycles_per_ms, write_csv
 
     device, dtype = "cuda", getattr(torch, args.dtype)
     stall = int(100 * sleep_cycles_per_ms()) if args.host else 0  # 100 ms: longer than 4 steps' host time
@@ -302,9 +303,9 @@ def bench(names, args):
             ms = do_bench(step, rep=args.rep)
             times[backend] = ms
             host = ""
-            if args.host:  # host time per step with the GPU stalled: is the step bound by it?
+            if args.host:  # host time per step with the GPU stalled, against its kernel time: bound by which?
                 med, best, covered = host_us(step, 4, 10, stall)
-                host = f"{med:.0f} us (min {best:.0f}, stall covered {covered:.0%})"
+                host = f"{med:.0f} us (min {best:.0f}, stall covered {covered:.0%}), kernels {kernel_ms(step):.3f} ms"
                 if args.cprofile:
                     _cprofile(step, stall, os.path.join(args.out, f"heldout_cprofile_{name}_{backend}.txt"))
             rows.append(dict(spelling=name, backend=backend, rewritten=counts, ms=round(ms, 3),

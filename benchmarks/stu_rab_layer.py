@@ -118,28 +118,6 @@ def _grads(model, inputs, gy):
     return (y,) + torch.autograd.grad(y, [x] + params, gy)
 
 
-def _kernel_ms(step, steps=10) -> float:
-    """GPU time of one step: the sum of its kernels' durations (torch.profiler), what the step would take if
-    the host never held the GPU up."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    total = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-                for e in prof.key_averages())
-    return total / steps / 1000
-
-
-def _host_ms(step) -> float:
-    """Host time of one step with the GPU stalled (_common.host_us, median): above the kernel time, the
-    step is bound by the host."""
-    from _common import host_us, sleep_cycles_per_ms
-
-    return host_us(step, 4, 10, int(100 * sleep_cycles_per_ms()))[0] / 1000
-
-
 def run(args, providers):
     from hstu_inductor import config
 
@@ -176,7 +154,8 @@ def run(args, providers):
                 peak = peak_mib(step)[0]
                 ms = do_bench(step, rep=args.rep, return_mode="median")
                 if args.gpu_time:
-                    extra = dict(kernel_ms=round(_kernel_ms(step), 3), host_ms=round(_host_ms(step), 3))
+                    from _common import host_ms, kernel_ms
+                    extra = dict(kernel_ms=round(kernel_ms(step), 3), host_ms=round(host_ms(step), 3))
         row = dict(provider=prov, rewritten=counts, ms=round(ms, 3), **extra, peak_mib=round(peak, 1),
                    err_out=f"{errs[0]:.2e}", err_dx=f"{errs[1]:.2e}",
                    err_d_time=f"{errs[2]:.2e}" if rab else "", err_d_pos=f"{errs[3]:.2e}" if rab else "")
