@@ -329,7 +329,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rep", type=int, default=200, help="do_bench rep time in ms")
     ap.add_argument("--host", action="store_true", help="also the host time per step, the GPU stalled")
-    ap.add_argument("--cprofile", action="store_true", help="with --host: a cProfile of 4 steps per model")
+    ap.add_argument("--cprofile", action="store_true", help="with --host: a cProfile of 8 steps per model")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -58,7 +58,6 @@ def _case(case, which, algo):
 
     from hstu_inductor import config
     from hstu_inductor.kernels import attention as K
-
     from hstu_inductor.kernels import bucket_map as BM
 
     config.bwd_algo = algo

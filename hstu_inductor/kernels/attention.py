@@ -54,7 +54,7 @@ from . import attention_jit as _jit
 from .attention_bias_args import _iv_args, _rab_args, _tab_args
 from .attention_bwd import _dq_finalize_kernel, _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel
 from .attention_fwd import _hstu_fwd_kernel
-from .bucket_map import keys_up_to_query, with_bucket_map
+from .bucket_map import with_bucket_map
 from .common import interpret as _interpret
 from .common import address_source
 from .common import launcher as _launcher
@@ -433,7 +433,7 @@ def _fwd(q, k, v, seq_offsets, max_seq_len, alpha, num_targets, attn_scale, spec
     if delta_rows == 0:  # cached attention reads a few rows of the map: it computes its buckets itself
         with _device_ctx(q.device):
             tab_args, tab_flags = with_bucket_map(tab_args, tab_bnd, tab_flags, seq_offsets, k.shape[0], B,
-                                                  max_seq_len, keys_up_to_query(spec, intervals))
+                                                  max_seq_len, spec, intervals)
     use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
     flags = spec.kernel_flags(has_targets=num_targets is not None, has_intervals=intervals is not None)
@@ -560,8 +560,8 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     with _device_ctx(q.device):  # the map kernel launches on the current device
-        tab_args, tab_flags = with_bucket_map(tab_args, tab_bnd, tab_flags, seq_offsets, L, B, max_seq_len,
-                                              keys_up_to_query(spec, intervals))
+        tab_args, tab_flags = with_bucket_map(tab_args, tab_bnd, tab_flags, seq_offsets, L, B, max_seq_len, spec,
+                                              intervals)
     use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
     flags = spec.kernel_flags(has_targets=num_targets is not None, has_intervals=intervals is not None)

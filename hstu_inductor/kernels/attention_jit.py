@@ -35,6 +35,9 @@ _TARGETS: tl.constexpr = tl.constexpr(KernelMask.TARGETS)
 _CONTEXT: tl.constexpr = tl.constexpr(KernelMask.CONTEXT)
 _WINDOW: tl.constexpr = tl.constexpr(KernelMask.WINDOW)
 _MINFULL: tl.constexpr = tl.constexpr(KernelMask.MINFULL)
+# HAS_TS value of kernels given the call's time-bucket map in place of timestamps (kernels/bucket_map.py)
+MAP_HAS_TS = 5
+_MAP_TS: tl.constexpr = tl.constexpr(MAP_HAS_TS)
 # inline PTX does not run in the Triton interpreter (CPU tests): its helpers take the plain tl op there
 _INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -134,7 +137,7 @@ def _bias_operands(RAB, TS, POSW, TSW, NB, MAX_N, b, h, start, n, stride_rb, str
         if TAB_HEADS % 2 == 1:
             POS_t = POSW + h.to(tl.int64) * (2 * MAX_N - 1)
     if HAS_TS:
-        if HAS_TS == 5:  # the bucket map [B, N, N] (kernels/bucket_map.py)
+        if HAS_TS == _MAP_TS:  # the bucket map [B, N, N] (kernels/bucket_map.py)
             TS_b = TS + b.to(tl.int64) * MAX_N * MAX_N
         elif HAS_TS % 2 == 0:  # dense [B, N] timestamps (a padded input): row b starts at b * N
             TS_b = TS + b.to(tl.int64) * MAX_N
@@ -371,7 +374,7 @@ def _time_bucket(rows, cols, i0, j0, n, seq, TS_b, MAX_N, TSB, TSP, NB, slope, o
     """The time bucket on a tile (see :func:`_time_bucket_ts`); with ``HAS_TS`` 5 read from the call's bucket
     map (kernels/bucket_map.py: ``TS_b`` is sequence b's ``[N, N]``), clamped into ``[0, NB]``: what the map
     leaves unwritten (masked elements) stays a valid table index."""
-    if HAS_TS == 5:
+    if HAS_TS == _MAP_TS:
         r, c = _grid(tl.minimum(rows, MAX_N - 1), tl.minimum(cols, MAX_N - 1), T)
         bk = tl.minimum(tl.maximum(_map_load(TS_b + (r * MAX_N + c)), 0), NB)
     else:

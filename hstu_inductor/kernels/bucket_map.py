@@ -17,11 +17,10 @@ import triton
 import triton.language as tl
 
 from .. import _compat, config
-from .attention_jit import _bias_operands, _seq_bounds, _time_bucket
 from . import common
+from .attention_jit import MAP_HAS_TS, _bias_operands, _seq_bounds, _time_bucket
 from .common import launcher
 
-MAP_HAS_TS = 5  # the HAS_TS switch of the attention kernels that read the map instead of the timestamps
 _BLOCK = 64
 
 
@@ -68,11 +67,11 @@ def keys_up_to_query(spec, intervals) -> bool:
 
 
 def with_bucket_map(tab_args: tuple, tab_bnd: tuple, tab_flags: dict, seq_offsets, rows: int, batch: int,
-                    max_seq_len, lower: bool) -> tuple:
+                    max_seq_len, spec, intervals) -> tuple:
     """(tab_args, tab_flags) with the timestamps replaced by their bucket map (``HAS_TS = 5``) when the table
     bias has a time table and the map fits ``config.bucket_map_mb``; else the arguments unchanged.
-    ``rows``: the attention's L (the offsets are clamped to it, as the attention kernels do); ``lower``: the
-    attention reads no key after its query (the map's upper triangle is left unwritten)."""
+    ``rows``: the attention's L (the offsets are clamped to it, as the attention kernels do); ``spec`` and
+    ``intervals``: the call's mask (:func:`keys_up_to_query`: whether the map's upper triangle is read)."""
     ts, pos_w, ts_w, nb = tab_args
     has_ts = tab_flags.get("HAS_TS", 0)
     if ts_w is None or not has_ts or has_ts == MAP_HAS_TS:
@@ -92,6 +91,6 @@ def with_bucket_map(tab_args: tuple, tab_bnd: tuple, tab_flags: dict, seq_offset
     tsb, tsp = tab_bnd
     args = (bmap, seq_offsets, ts, tsb, tsp, nb, rows, max_seq_len)
     grid = (-(-max_seq_len // _BLOCK), batch)  # plain arithmetic: SymInts too; callers return early for B, N = 0
-    launcher(_bucket_map_kernel, args)[grid](*args, HAS_TS=has_ts, TS_STEPS=tab_flags["TS_STEPS"], LOWER=lower,
-                                             BLOCK_M=_BLOCK, BLOCK_N=_BLOCK)
+    launcher(_bucket_map_kernel, args)[grid](*args, HAS_TS=has_ts, TS_STEPS=tab_flags["TS_STEPS"],
+                                             LOWER=keys_up_to_query(spec, intervals), BLOCK_M=_BLOCK, BLOCK_N=_BLOCK)
     return (bmap, pos_w, ts_w, nb), dict(tab_flags, HAS_TS=MAP_HAS_TS)

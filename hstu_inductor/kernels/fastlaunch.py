@@ -86,7 +86,7 @@ def _arg_key(args, nospec=()) -> tuple | None:
             out.append("none")
         elif t is float:  # handle_float_type: always fp32, no value specialisation
             out.append("f")
-        else:  # bool, None, numpy scalars, tensor subclasses, ...: not modelled here
+        else:  # bool, numpy scalars, tensor subclasses, ...: not modelled here
             return None
     return tuple(out)
 

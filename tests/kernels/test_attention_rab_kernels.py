@@ -255,7 +255,13 @@ def test_bucket_map_equals_per_tile_buckets(case, poison, monkeypatch):
     tkw = dict(timestamps=ts, pos_w=pos_w, ts_w=ts_w, ts_next=ts_next)
     used = []
     real = bucket_map.with_bucket_map
-    monkeypatch.setattr(K, "with_bucket_map", lambda *a: used.append(real(*a)[1]["HAS_TS"]) or real(*a))
+
+    def spy(*a):
+        got = real(*a)
+        used.append(got[1]["HAS_TS"])
+        return got
+
+    monkeypatch.setattr(K, "with_bucket_map", spy)
     results = {}
     for mb in (1024, 0):
         monkeypatch.setattr(config, "bucket_map_mb", mb)
@@ -285,7 +291,8 @@ def test_bucket_map_budget_and_dtype(monkeypatch):
     def run(nb, mb, n=8):
         monkeypatch.setattr(config, "bucket_map_mb", mb)
         args = (ts, None, torch.zeros(nb + 1), nb)
-        return BM.with_bucket_map(args, (None, None), dict(HAS_TS=1, TS_STEPS=3), off, 12, 2, n, True)
+        return BM.with_bucket_map(args, (None, None), dict(HAS_TS=1, TS_STEPS=3), off, 12, 2, n, AttentionSpec(),
+                                  None)
 
     (bmap, _, _, _), flags = run(20, 1024)
     assert flags["HAS_TS"] == 5 and bmap.shape == (2, 8, 8) and bmap.dtype == torch.uint8
