@@ -35,11 +35,11 @@ _TARGETS: tl.constexpr = tl.constexpr(KernelMask.TARGETS)
 _CONTEXT: tl.constexpr = tl.constexpr(KernelMask.CONTEXT)
 _WINDOW: tl.constexpr = tl.constexpr(KernelMask.WINDOW)
 _MINFULL: tl.constexpr = tl.constexpr(KernelMask.MINFULL)
+# inline PTX does not run in the Triton interpreter (CPU tests): its helpers take the plain tl op there
+_INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # HAS_TS value of kernels given the call's time-bucket map in place of timestamps (kernels/bucket_map.py)
 MAP_HAS_TS = 5
 _MAP_TS: tl.constexpr = tl.constexpr(MAP_HAS_TS)
-# inline PTX does not run in the Triton interpreter (CPU tests): its helpers take the plain tl op there
-_INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 # --------------------------------------------------------------------------------------------
