@@ -97,9 +97,9 @@ def host_us(fn, calls, reps, stall_cycles):
     return statistics.median(times), min(times), covered / reps
 
 
-def kernel_ms(step, steps=10) -> float:
-    """GPU time of one step: the sum of its kernels' durations (torch.profiler), what the step would take if
-    the host never held the GPU up."""
+def kernel_profile(step, steps=10) -> tuple:
+    """(GPU ms of one step, [(kernel, ms per step)] the largest first): the sum of its kernels' durations
+    (torch.profiler), what the step would take if the host never held the GPU up, and where it goes."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -107,9 +107,20 @@ def kernel_ms(step, steps=10) -> float:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    total = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-                for e in prof.key_averages())
-    return total / steps / 1000
+    per = [(e.key, (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
+            / steps / 1000) for e in prof.key_averages()]
+    per.sort(key=lambda kv: -kv[1])
+    return sum(ms for _, ms in per), per
+
+
+def kernel_ms(step, steps=10) -> float:
+    """GPU time of one step (:func:`kernel_profile`)."""
+    return kernel_profile(step, steps)[0]
+
+
+def top_kernels(per: list, top: int = 8) -> str:
+    """``name ms; ...`` of :func:`kernel_profile`'s largest kernels."""
+    return "; ".join(f"{name[:48]} {ms:.3f} ms" for name, ms in per[:top])
 
 
 def host_ms(step) -> float:

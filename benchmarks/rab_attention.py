@@ -67,13 +67,8 @@ def _timestamps(lengths, g):
 
 def _profile(step, title):
     """CUDA time per kernel over 5 steps, the largest first."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
-    log.info("%s: %s", title, "; ".join(f"{e.key[:48]} {e.device_time_total / 5e3:.3f} ms" for e in rows))
+    from _common import kernel_profile, top_kernels
+    log.info("%s: %s", title, top_kernels(kernel_profile(step, 5)[1], 6))
     from hstu_inductor.kernels import attention as K
     for name, tuner in K._TUNERS.items():  # the configs the kernels ran with (tuned or default)
         best = getattr(tuner, "best_config", None)

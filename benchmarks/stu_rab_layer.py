@@ -154,8 +154,10 @@ def run(args, providers):
                 peak = peak_mib(step)[0]
                 ms = do_bench(step, rep=args.rep, return_mode="median")
                 if args.gpu_time:
-                    from _common import host_ms, kernel_ms
-                    extra = dict(kernel_ms=round(kernel_ms(step), 3), host_ms=round(host_ms(step), 3))
+                    from _common import host_ms, kernel_profile, top_kernels
+                    total, per = kernel_profile(step)
+                    extra = dict(kernel_ms=round(total, 3), host_ms=round(host_ms(step), 3))
+                    print(f"{prov} kernels: {top_kernels(per)}", flush=True)
         row = dict(provider=prov, rewritten=counts, ms=round(ms, 3), **extra, peak_mib=round(peak, 1),
                    err_out=f"{errs[0]:.2e}", err_dx=f"{errs[1]:.2e}",
                    err_d_time=f"{errs[2]:.2e}" if rab else "", err_d_pos=f"{errs[3]:.2e}" if rab else "")
@@ -174,7 +176,8 @@ def main():
                     help="time gap ts(next(i)) - ts(j) (the original HSTU's) or ts(i) - ts(j)")
     ap.add_argument("--check", action="store_true", help="small CPU run (B=4, N=32): rewrites and errors")
     ap.add_argument("--gpu-time", action="store_true",
-                    help="also each step's kernel time (profiler sum) and host time (GPU stalled)")
+                    help="also each step's kernel time (profiler sum, its largest kernels printed) and host time "
+                         "(GPU stalled)")
     layer_args(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")

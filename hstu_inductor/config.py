@@ -144,6 +144,11 @@ OPTIONS: tuple[Option, ...] = (
            "for every head and read by the attention kernels, when it takes at most this many MiB; 0: each "
            "kernel computes the bucket itself (docs/kernels.md).", True, "HSTU_INDUCTOR_BUCKET_MAP_MB", float,
            check=lambda v: _number(v) and v >= 0, expect="a number of MiB >= 0"),
+    # fp32 [B, 1, N, N], transient in the backward: 512 MiB at B=128, N=1024.
+    Option("table_grad_mb", 4096, "Gradients of table-bias tables shared by the heads through one dense fp32 "
+           "[B, N, N] bias gradient per call, reduced by a separate kernel, when it takes at most this many MiB "
+           "(a time table only with the bucket map); 0: reduced inside the dK/dV kernel (docs/kernels.md).", True,
+           "HSTU_INDUCTOR_TABLE_GRAD_MB", float, check=lambda v: _number(v) and v >= 0, expect="a number of MiB >= 0"),
     Option("autotune", True, "Autotune the attention kernels (False: one default config each).", True,
            "HSTU_INDUCTOR_AUTOTUNE", lambda text: text != "0", _BOOL),
     Option("delta_config", None, "An index into kernels/delta.py's _CONFIGS replacing the cached attention plan's "

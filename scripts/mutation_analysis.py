@@ -1,6 +1,6 @@
 """Which arguments torch's mutation analysis of user Triton kernels thinks each attention kernel writes.
 
-    .venv/bin/python scripts/mutation_analysis.py [pos+ts|pos|ts[:split|atomic] ...]     (default pos+ts:split)
+    .venv/bin/python scripts/mutation_analysis.py [pos+ts|pos|ts[:split|atomic[:inkernel]] ...]  (default pos+ts:split)
 
 torch.compile / AOTAutograd functionalize a ``wrap_triton`` launch by the tensors this analysis
 (``torch._higher_order_ops.triton_kernel_wrap.identify_accessed_tensors``, on the kernel's TTIR) reports as
@@ -45,27 +45,32 @@ class _Record:
 
 
 def main(*cases):
-    """Each case ``TABLES[:ALGO]``: the tables, and the backward's ``config.bwd_algo`` (split: the dQ kernel;
-    atomic: dQ in the dK/dV kernel). One process for all (its imports are most of the time)."""
+    """Each case ``TABLES[:ALGO[:inkernel]]``: the tables, the backward's ``config.bwd_algo`` (split: the dQ
+    kernel; atomic: dQ in the dK/dV kernel), and ``inkernel``: the table gradients summed in the dK/dV kernel
+    (``config.table_grad_mb = 0``), not through the dense buffer (kernels/table_grad.py). One process for all
+    (its imports are most of the time)."""
     triton.runtime.driver.set_active(_Sm90())
     for case in cases or ("pos+ts:split",):
-        which, _, algo = case.partition(":")
-        _case(case, which, algo or "split")
+        which, algo, where = (case.split(":") + ["", ""])[:3]
+        _case(case, which, algo or "split", where == "inkernel")
 
 
-def _case(case, which, algo):
+def _case(case, which, algo, inkernel=False):
     from torch._higher_order_ops import triton_kernel_wrap as W
 
     from hstu_inductor import config
     from hstu_inductor.kernels import attention as K
     from hstu_inductor.kernels import bucket_map as BM
+    from hstu_inductor.kernels import table_grad as TG
 
     config.bwd_algo = algo
+    config.table_grad_mb = 0 if inkernel else 4096
     launches = []
     K._launch = lambda kind, grid_rows, grid_x, block_d, args, kwargs, **kw: launches.append((kind, args, kwargs))
     K._launcher = lambda kern, args: _NoLaunch()  # the dQ finalize kernel (atomic): no TTIR of interest
     # the time-bucket map (kernels/bucket_map.py), which the attention kernels then read in place of timestamps
     BM.launcher = lambda kern, args: _Record(launches, "bucket_map", args)
+    TG.launcher = lambda kern, args: _Record(launches, "table_grad", args)  # the dense gradient's reduction
     L, H, D, N = 20, 2, 16, 16
     q, k, v, do = (torch.randn(L, H, D) for _ in range(4))
     off = torch.tensor([0, 8, 20])
@@ -77,9 +82,9 @@ def _case(case, which, algo):
     K.hstu_attention_fwd(q, k, v, off, N, 0.1, nt, **tkw)
     K.hstu_attention_bwd(do, q, k, v, off, N, 0.1, nt, table_grad=True, **tkw)
     for kind, args, kwargs in launches:
-        fn = BM._bucket_map_kernel if kind == "bucket_map" else K._JIT[kind]
+        fn = {"bucket_map": BM._bucket_map_kernel, "table_grad": TG._table_grad_kernel}.get(kind) or K._JIT[kind]
         kw = dict(zip(fn.arg_names, args))
-        if kind != "bucket_map":
+        if kind in K._JIT:
             kw.update({f: False for f in K._OPTIONAL_FLAGS[kind]})
             kw.update(K._cfg(kind, *K._GPU_CONFIGS[(kind, "fp32")][0]).kwargs)
         kw.update(kwargs)

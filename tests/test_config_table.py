@@ -18,7 +18,7 @@ def _other(o: config.Option, value):
     special = {"patterns": lambda v: {**v, "attention": not v["attention"]},
                "cost_rule_min_work": lambda v: {**v, "infer": v["infer"] + 1},
                "proof_budget_s": lambda v: v + 1,
-               "bucket_map_mb": lambda v: v + 1,
+               "bucket_map_mb": lambda v: v + 1, "table_grad_mb": lambda v: v + 1,
                "delta_config": lambda v: 0 if v is None else None}
     if o.name in special:
         return special[o.name](value)
@@ -80,7 +80,7 @@ ENV = {"tma": ("off", "off"), "kernels": ("off", "off"), "gluon": ("off", "off")
        "capture_dynamic_shape_ops": ("0", False), "rab_tables": ("1", True), "lone_blocks": ("1", True), "cost_rule": ("off", "off"),
        "prover": ("probes", "probes"), "proof_budget_s": ("2.5", 2.5), "strict": ("1", True),
        "silu": ("packed", "packed"), "tile_order": ("block", "block"), "bwd_algo": ("atomic", "atomic"),
-       "dq_mode": ("3", 3), "bucket_map_mb": ("0", 0.0), "autotune": ("0", False), "delta_config": ("2", 2), "fastlaunch": ("OFF", "off")}
+       "dq_mode": ("3", 3), "bucket_map_mb": ("0", 0.0), "table_grad_mb": ("0", 0.0), "autotune": ("0", False), "delta_config": ("2", 2), "fastlaunch": ("OFF", "off")}
 
 
 def test_every_variable_has_a_case():

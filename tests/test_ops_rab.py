@@ -381,18 +381,22 @@ def test_table_kernels_mutation_analysis():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the split backward (dQ kernel) and the atomic one (dQ in the dK/dV kernel, the default with tables)
-    cases = (("pos+ts", "atomic", "DPOS DTS"), ("ts", "split", "DTS"))
+    # the split backward (dQ kernel) and the atomic one (dQ in the dK/dV kernel, the default with tables); the
+    # table gradients through the dense buffer (DRAB, reduced by kernels/table_grad.py) or summed in dK/dV
+    cases = (("pos+ts:atomic", "DRAB", "DPOS DTS"), ("ts:split", "DRAB", "DTS"),
+             ("pos+ts:atomic:inkernel", "DPOS DTS", None), ("ts:split:inkernel", "DTS", None))
     got = subprocess.run([sys.executable, os.path.join(root, "scripts", "mutation_analysis.py"),
-                          *(f"{which}:{algo}" for which, algo, _ in cases)],
-                         capture_output=True, text=True, env=env, timeout=600)
+                          *(case for case, _, _ in cases)], capture_output=True, text=True, env=env, timeout=600)
     assert got.returncode == 0, got.stderr[-2000:]
-    for which, algo, dkdv_out in cases:
-        lines = {ln.split()[1]: ln.split(":", 2)[2].split() for ln in got.stdout.splitlines()
-                 if "writes:" in ln and ln.split()[0] == f"{which}:{algo}"}
+    for case, dkdv_out, reduced in cases:
+        algo = case.split(":")[1]
+        lines = {ln.split()[1]: ln.split("writes:", 1)[1].split() for ln in got.stdout.splitlines()
+                 if "writes:" in ln and ln.split()[0] == case}
         # bucket_map: the time buckets' map (kernels/bucket_map.py) the other kernels read in place of timestamps
         want = {"fwd": ["O", "SEQ_OFFSETS"], "dkdv": ["DK", "DVo", "SEQ_OFFSETS", *dkdv_out.split()],
                 "bucket_map": ["MAP"]}
+        if reduced:
+            want["table_grad"] = reduced.split()
         if algo == "split":
             want["dq"] = ["DQo", "SEQ_OFFSETS"]
         else:

@@ -51,10 +51,11 @@ from .. import _compat, config
 from ..spec import AttentionSpec
 from . import attention_bias_args as _bias_args
 from . import attention_jit as _jit
+from . import table_grad as table_grad_buffer
 from .attention_bias_args import _iv_args, _rab_args, _tab_args
 from .attention_bwd import _dq_finalize_kernel, _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel
 from .attention_fwd import _hstu_fwd_kernel
-from .bucket_map import with_bucket_map
+from .bucket_map import keys_up_to_query, with_bucket_map
 from .common import interpret as _interpret
 from .common import address_source
 from .common import launcher as _launcher
@@ -510,7 +511,16 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     iv_args = _iv_args(intervals, H, L)
     tab_args, tab_bnd, tab_flags = _tab_args(timestamps, pos_w, ts_w, L, max_seq_len, ts_bounds, B, spec.ts_next, H)
     table_grad = bool(table_grad) and bool(tab_flags)
-    if rab_grad or (table_grad and pos_w is not None):
+    empty = L == 0 or B <= 0 or H == 0 or max_seq_len <= 0
+    if not empty:
+        with _device_ctx(q.device):  # the map kernel launches on the current device
+            tab_args, tab_flags = with_bucket_map(tab_args, tab_bnd, tab_flags, seq_offsets, L, B, max_seq_len,
+                                                  spec, intervals)
+    # table gradients through a dense bias gradient reduced after the dK/dV kernel (kernels/table_grad.py);
+    # a dense rab's own gradient takes the kernel's RAB_GRAD, and ``deterministic`` keeps the in-kernel sums
+    dense_tab = table_grad and not empty and not rab_grad and not deterministic \
+        and table_grad_buffer.use_dense_grad(tab_flags, _jit.MAP_HAS_TS, B, max_seq_len)
+    if rab_grad or dense_tab or (table_grad and pos_w is not None):
         # d rab / d pos_w addresses follow the query block, whose range comes from num_targets (address_source)
         num_targets = address_source(num_targets)
     dk = _new((L, H, Dq), k.dtype, k.device)
@@ -533,6 +543,10 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
                      drab.stride(2), drab.stride(3))
         if _compat.size_hint(max_seq_len) > 46340:
             raise ValueError("hstu attention: rab gradients need max_seq_len <= 46340 (32-bit offsets)")
+    elif dense_tab:  # the heads summed by fp32 atomics (one writer per element with one head)
+        drab = torch.zeros((B, 1, max_seq_len, max_seq_len), device=q.device, dtype=torch.float32)
+        rab_mode = 1 if H == 1 else 2
+        g_strides = (drab.stride(0), 0, drab.stride(2), drab.stride(3))
     # table gradients: fp32 [copies, table] buffers reduced in the kernel, the copies summed here (a per-head
     # table: [copies, H, table], the kernel adds h times the table's length)
     copies = 1 if _interpret() else 32
@@ -543,6 +557,11 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
 
     def _ret(dq, dk, dv):
         got = (dq, dk, dv)
+        if dense_tab:
+            with _device_ctx(q.device):
+                table_grad_buffer.reduce_table_grads(
+                    drab, tab_args[0] if tab_flags.get("HAS_TS") == _jit.MAP_HAS_TS else None, seq_offsets, L,
+                    max_seq_len, keys_up_to_query(spec, intervals), dpos, dts, tab_args[3])
         if rab_grad:
             if scratch is not None:
                 got += (scratch.to(torch.float32).sum(dim=bcast, keepdim=True).to(rab.dtype),)
@@ -553,15 +572,12 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
                     None if dts is None else dts.sum(0).to(ts_w.dtype))
         return got
 
-    if L == 0 or B <= 0 or H == 0 or max_seq_len <= 0:
+    if empty:
         return _ret(torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_())
     if dout.shape != (L, H, Dv):
         raise ValueError(f"dout must be {(L, H, Dv)}, got {tuple(dout.shape)}")
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
-    with _device_ctx(q.device):  # the map kernel launches on the current device
-        tab_args, tab_flags = with_bucket_map(tab_args, tab_bnd, tab_flags, seq_offsets, L, B, max_seq_len, spec,
-                                              intervals)
     use_tma = _use_tma(tma, q.device, (q, k, v), max_seq_len)
     scale_mode, scale_const, scale_t, stride_s = _scale_args(attn_scale, max_seq_len, q.device, q.shape[0])
     flags = spec.kernel_flags(has_targets=num_targets is not None, has_intervals=intervals is not None)
@@ -605,13 +621,13 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             sdq[0], sdq[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), stride_s) + tail + rab_args \
-        + iv_args + ((drab,) + g_strides if rab_grad else (None, 0, 0, 0, 0)) + tab_args \
+        + iv_args + ((drab,) + g_strides if rab_mode else (None, 0, 0, 0, 0)) + tab_args \
         + (dpos, dts, copies, dpos.stride(0) if dpos is not None else 0, dts.stride(0) if dts is not None else 0) \
         + tab_bnd
     dkdv_kw = dict(common, DQ_MODE=dq_mode, TMA=tma_dkdv)
-    if rab_grad:
+    if rab_mode:
         dkdv_kw["RAB_GRAD"] = rab_mode
-    if table_grad:
+    if table_grad and not dense_tab:
         dkdv_kw["TAB_GRAD"] = True
     with _device_ctx(q.device):
         if use_tma:

@@ -246,6 +246,7 @@ def test_bucket_map_equals_per_tile_buckets(case, poison, monkeypatch):
 
     dense, ts_next, opts, algo, nb = MAP_CASES[case]
     monkeypatch.setattr(config, "bwd_algo", algo)
+    monkeypatch.setattr(config, "table_grad_mb", 0)  # both table gradients summed in the dK/dV kernel
     seed = sum(map(ord, case))
     q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=seed)
     kw = _mask_kwargs(opts, q.shape[0], seed=seed)
@@ -274,6 +275,66 @@ def test_bucket_map_equals_per_tile_buckets(case, poison, monkeypatch):
         assert torch.isfinite(a).all() and torch.equal(a, b), name
     _check(q, k, v, dout, off, N, 0.25, deterministic=algo == "split", tables=(ts, pos_w, ts_w),
            ts_next=ts_next, **kw)  # the map's path against the fp64 reference (bucket_map_mb = 0 now: the other)
+
+
+DENSE_GRAD_CASES = {  # tables (per head: "H"), mask options, backward algorithm
+    "both_targets_atomic": ("pos+ts", dict(num_targets=[2, 0, 1, 3]), "atomic"),
+    "both_ctx_split": ("pos+ts", dict(contextual_seq_len=3, attn_scale="scalar"), "split"),
+    "pos_window": ("pos", dict(max_attn_len=5, min_full_attn_seq_len=4), "atomic"),
+    "ts_noncausal_rows": ("ts", dict(causal=False, attn_scale="rows"), "split"),
+    "ts_300_buckets": ("ts", dict(), "atomic"),  # an int16 map; per-bucket sums by atomics, not registers
+    "ts_heads_targets": ("ts H", dict(num_targets=[1, 0, 0, 2]), "atomic"),  # per head: summed in dK/dV
+}
+
+
+@SMALL
+@pytest.mark.parametrize("case", list(DENSE_GRAD_CASES))
+def test_table_grads_through_dense_buffer(case, poison, monkeypatch):
+    """Within ``config.table_grad_mb`` the dK/dV kernel adds the bias gradient of shared tables into one dense
+    buffer and kernels/table_grad.py reduces it into the tables (d pos_w by diagonals, d ts_w by the map's
+    buckets): every gradient equals autograd through the fp64 reference, every mask option; with the budget at 0
+    the in-kernel sums run instead and agree with it. Per-head tables always take the in-kernel sums."""
+    from hstu_inductor.kernels import table_grad
+
+    which, opts, algo = DENSE_GRAD_CASES[case]
+    monkeypatch.setattr(config, "bwd_algo", algo)
+    seed = sum(map(ord, case))
+    H = 3
+    q, k, v, dout, off = _batch(LENGTHS, H, 16, torch.float32, seed=seed)
+    kw = _mask_kwargs(opts, q.shape[0], seed=seed)
+    ts, pos_w, ts_w = _tables(LENGTHS, N, 300 if "300" in case else 20, torch.int64, which, seed=seed + 1)
+    if "H" in which:
+        ts_w = torch.randn(H, 21, generator=torch.Generator().manual_seed(seed + 2)).to(DEV)
+    reduced = []
+    real = table_grad.reduce_table_grads
+    monkeypatch.setattr(table_grad, "reduce_table_grads", lambda g, *a: (reduced.append(g.shape), real(g, *a)))
+    tkw = dict(timestamps=ts if ts_w is not None else None, pos_w=pos_w, ts_w=ts_w)
+    _check(q, k, v, dout, off, N, 0.25, tables=(ts, pos_w, ts_w), deterministic=False, **kw)
+    assert reduced == ([] if "H" in which else [(len(LENGTHS), 1, N, N)])
+    dense = K.hstu_attention_bwd(dout, q, k, v, off, N, 0.25, table_grad=True, **tkw, **kw)[-2:]
+    monkeypatch.setattr(config, "table_grad_mb", 0)
+    in_kernel = K.hstu_attention_bwd(dout, q, k, v, off, N, 0.25, table_grad=True, **tkw, **kw)[-2:]
+    assert len(reduced) == (0 if "H" in which else 2)
+    for a, b in zip(dense, in_kernel):
+        assert (a is None) == (b is None) and (a is None or rel_err(a, b) < 1e-5)
+
+
+def test_table_grad_buffer_budget(monkeypatch):
+    """The dense table-gradient buffer ([B, 1, N, N] fp32) is used within ``config.table_grad_mb`` only, for
+    tables shared by the heads, with a time table only when its bucket map is there."""
+    from hstu_inductor.kernels import table_grad as TG
+
+    def use(flags, mb, n=8):
+        monkeypatch.setattr(config, "table_grad_mb", mb)
+        return TG.use_dense_grad(flags, 5, 2, n)
+
+    assert use(dict(HAS_POS=True), 1024) and use(dict(HAS_POS=True, HAS_TS=5), 1024) and use(dict(HAS_TS=5), 1024)
+    assert not use(dict(HAS_POS=True, HAS_TS=1), 1024)  # timestamps, no map: the kernel's own sums
+    assert not use(dict(HAS_POS=True, TAB_HEADS=1), 1024) and not use(dict(HAS_TS=5, TAB_HEADS=2), 1024)
+    assert not use({}, 1024) and not use(dict(HAS_POS=True), 0)
+    assert use(dict(HAS_POS=True), 2 * 8 * 8 * 4 / 2 ** 20)  # exactly the budget
+    assert not use(dict(HAS_POS=True), 2 * 8 * 8 * 4 / 2 ** 20 - 1e-9)
+    assert not use(dict(HAS_POS=True), 1e9, n=46341)  # 32-bit offsets
 
 
 def test_bucket_map_budget_and_dtype(monkeypatch):
