@@ -88,11 +88,19 @@ def main():
     ap.add_argument("--configs", nargs="+", default=[], metavar="KIND=BM,BN,WARPS,STAGES",
                     help="fixed kernel configs instead of the autotuner's, e.g. fwd=64,32,4,3 dkdv=32,64,4,3 "
                          "(kernels fwd / dkdv / dq; the providers that call the op directly)")
+    ap.add_argument("--reduction-tile", metavar="DIAGONALS,ROWS,WARPS,SPAN",
+                    help="the table-gradient reduction's tile (kernels/table_grad.py), e.g. 32,64,4,8: diagonals x "
+                         "rows, warps, and from how many buckets in a tile each element is added on its own")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out")))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     from hstu_inductor.kernels.attention import force_configs
+
+    if args.reduction_tile:
+        from hstu_inductor.kernels import table_grad
+        table_grad._BLOCK_D, table_grad._BLOCK_I, table_grad._WARPS, table_grad._SPAN = (
+            int(x) for x in args.reduction_tile.split(","))
 
     configs = {c.split("=")[0]: tuple(int(x) for x in c.split("=")[1].split(",")) for c in args.configs}
     with force_configs(**configs):

@@ -311,12 +311,16 @@ def test_table_grads_through_dense_buffer(case, poison, monkeypatch):
     tkw = dict(timestamps=ts if ts_w is not None else None, pos_w=pos_w, ts_w=ts_w)
     _check(q, k, v, dout, off, N, 0.25, tables=(ts, pos_w, ts_w), deterministic=False, **kw)
     assert reduced == ([] if "H" in which else [(len(LENGTHS), 1, N, N)])
-    dense = K.hstu_attention_bwd(dout, q, k, v, off, N, 0.25, table_grad=True, **tkw, **kw)[-2:]
+    dense = {}
+    for span in (0, 10 ** 6):  # d ts_w element by element into the program's row / by per-bucket sums, every tile
+        monkeypatch.setattr(table_grad, "_SPAN", span)
+        dense[span] = K.hstu_attention_bwd(dout, q, k, v, off, N, 0.25, table_grad=True, **tkw, **kw)[-2:]
     monkeypatch.setattr(config, "table_grad_mb", 0)
     in_kernel = K.hstu_attention_bwd(dout, q, k, v, off, N, 0.25, table_grad=True, **tkw, **kw)[-2:]
-    assert len(reduced) == (0 if "H" in which else 2)
-    for a, b in zip(dense, in_kernel):
-        assert (a is None) == (b is None) and (a is None or rel_err(a, b) < 1e-5)
+    assert len(reduced) == (0 if "H" in which else 3)
+    for got in dense.values():
+        for a, b in zip(got, in_kernel):
+            assert (a is None) == (b is None) and (a is None or rel_err(a, b) < 1e-5)
 
 
 def test_table_grad_buffer_budget(monkeypatch):
