@@ -139,11 +139,13 @@ OPTIONS: tuple[Option, ...] = (
            True, "HSTU_INDUCTOR_BWD_ALGO", allowed=("auto", "split", "atomic")),
     Option("dq_mode", 1, 'dQ accumulation of bwd_algo="atomic": 1 pointer atomics, 2 TMA reduce-add, 3 vectorized '
            "red.v2 (sm90).", True, "HSTU_INDUCTOR_DQ_MODE", int, (1, 2, 3)),
-    # The map costs B * N^2 bytes per call (uint8 buckets; int16 above 255 buckets), transient.
-    Option("bucket_map_mb", 1024, "The table bias's time buckets as one [B, N, N] map per call, computed once "
-           "for every head and read by the attention kernels, when it takes at most this many MiB; 0: each "
-           "kernel computes the bucket itself (docs/kernels.md).", True, "HSTU_INDUCTOR_BUCKET_MAP_MB", float,
-           check=lambda v: _number(v) and v >= 0, expect="a number of MiB >= 0"),
+    # The map costs B * N^2 bytes (uint8 buckets; int16 above 255 buckets): per op call, or, emitted by the
+    # patterns, per attention layer from its forward to its backward.
+    Option("bucket_map_mb", 1024, "The table bias's time buckets as one [B, N, N] map, computed once for every "
+           "head (compiled: once per training step, hstu::time_bucket_map) and read by the attention kernels, "
+           "when it takes at most this many MiB; 0: each kernel computes the bucket itself (docs/kernels.md).",
+           True, "HSTU_INDUCTOR_BUCKET_MAP_MB", float, check=lambda v: _number(v) and v >= 0,
+           expect="a number of MiB >= 0"),
     # fp32 [B, 1, N, N], transient in the backward: 512 MiB at B=128, N=1024.
     Option("table_grad_mb", 4096, "Gradients of table-bias tables shared by the heads through one dense fp32 "
            "[B, N, N] bias gradient per call, reduced by a separate kernel, when it takes at most this many MiB "

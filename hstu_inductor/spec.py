@@ -88,6 +88,15 @@ class AttentionSpec:
         """The mask options in schema order (:attr:`OP_FIELDS`)."""
         return tuple(getattr(self, name) for name in self.OP_FIELDS)
 
+    def keys_up_to_query(self, has_intervals: bool) -> bool:
+        """True when no mask option lets a query read a key after it (causal, no contextual prefix, no
+        intervals, every option added later at its default): the ``j > i`` half of an ``N x N`` map of the
+        table bias is never read. A symbolic contextual length counts as nonzero."""
+        from ._compat import guarded
+
+        return (not has_intervals and self.causal and guarded(self.contextual_seq_len == 0)
+                and all(getattr(self, f.name) == f.default for f in self.added_fields()))
+
     # ------------------------------------------------------------------ options added later
 
     @classmethod

@@ -402,3 +402,51 @@ def test_table_kernels_mutation_analysis():
         else:
             want["dkdv"].insert(0, "DQA")
         assert lines == want, got.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# hstu::time_bucket_map: the time buckets once per step, read by the attention in place of the timestamps
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nb,ts_next,bounds", [(20, True, "default"), (300, False, "user")])
+def test_time_bucket_map_op(nb, ts_next, bounds):
+    """The map equals ``relative_bias``'s buckets (uint8, int16 past 255 buckets); the attention op given the map
+    in place of the timestamps equals the op given the timestamps, forward and every gradient; opcheck passes on
+    the map op and on the attention with a map. Timestamps spread so that the gaps cover the buckets."""
+    args = list(_bargs(seed=31, bounds=bounds))
+    g = torch.Generator().manual_seed(32)
+    args[14] = (10 ** (torch.rand(sum(LENGTHS), generator=g, dtype=torch.float64) * 6)).cumsum(0).to(torch.int64)
+    args[16] = torch.randn(nb + 1, dtype=torch.float64, generator=g, requires_grad=True)
+    tb = time_bucket_bounds(nb, torch.int64, _user_bucket(nb) if bounds == "user" else None)
+    args[17] = tb
+    off, ts = args[3], args[14]
+    bmap = ops.time_bucket_map(ts, off, sum(LENGTHS), N, nb, tb, ts_next, True)
+    assert bmap.dtype == (torch.uint8 if nb <= 255 else torch.int16) and bmap.shape == (len(LENGTHS), N, N)
+    want = ref.rab._indices(ts, off, N, nb, ts.device, tb, ts_next)[1]
+    assert torch.equal(bmap.long(), want) and int(want.max()) > 5
+    torch.library.opcheck(ops.time_bucket_map, (ts, off, sum(LENGTHS), N, nb, tb, ts_next, True))
+
+    with_ts = args + [ts_next]
+    with_map = args[:14] + [bmap] + args[15:17] + [None, ts_next]
+    leaves = [args[0], args[1], args[2], args[15], args[16]]
+    gout = torch.randn(sum(LENGTHS), H, 4, dtype=torch.float64, generator=g)
+    res = []
+    for a in (with_ts, with_map):
+        out = ops.attention(*a)
+        res.append((out, *torch.autograd.grad(out, leaves, gout)))
+    for x, y in zip(*res):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    torch.library.opcheck(ops.attention, tuple(with_map), test_utils=_FAST_UTILS)
+
+
+def test_time_bucket_map_errors():
+    """A map of the wrong shape, or with thresholds beside it, is refused by name; more buckets than int16
+    holds has no map."""
+    args = list(_targs(None, False, "pos+ts", seed=33, grad=False))
+    off, ts, nb = args[3], args[14], args[16].shape[0] - 1
+    bmap = ops.time_bucket_map(ts, off, sum(LENGTHS), N, nb)
+    with pytest.raises((ValueError, RuntimeError), match="bucket map"):
+        ops.attention(*args[:14], bmap[:, :-1], *args[15:17])
+    with pytest.raises((ValueError, RuntimeError), match="ts_bounds"):
+        ops.attention(*args[:14], bmap, *args[15:17], time_bucket_bounds(nb, torch.int64))
+    with pytest.raises(ValueError, match="32767"):
+        ops.time_bucket_map(ts, off, sum(LENGTHS), N, 40000)

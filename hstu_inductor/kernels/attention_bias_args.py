@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from .. import _compat
-from ..reference.rab import default_time_bucket_bounds
+from ..reference.rab import default_time_bucket_bounds, is_bucket_map
+from .attention_jit import MAP_HAS_TS
 
 
 def _rab_args(rab, B, H, max_seq_len):
@@ -40,7 +41,8 @@ def _iv_args(intervals, H, rows):
 
 def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=None, ts_next=True, heads=None):
     """((timestamps, pos_w, ts_w, num_buckets), (thresholds, guess plan), constexpr switches) for the table bias
-    (docs/semantics.md), tensors contiguous (tiny or [L]); placeholders without tables. ``ts_next``: the
+    (docs/semantics.md), tensors contiguous (tiny or [L]); placeholders without tables. ``timestamps`` may be the
+    call's ``[B, N, N]`` bucket map (``hstu::time_bucket_map``; ``HAS_TS = 5``). ``ts_next``: the
     time gap is ``ts(next(i)) - ts(j)``, else ``ts(i) - ts(j)`` (``HAS_TS`` + 2). A table may be shared by the
     heads (1-D) or have one row per head (``[H, ...]``, ``heads`` = H): ``TAB_HEADS`` bit 1 (position), 2 (time)."""
     if ts_w is not None and timestamps is None:
@@ -53,6 +55,11 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=
         if ts_w.dim() not in (1, 2) or ts_w.shape[-1] < 1 or (ts_w.dim() == 2 and ts_w.shape[0] != heads):
             raise ValueError(f"hstu attention: ts_w must be [num_buckets + 1] or [H, num_buckets + 1] (H={heads}), "
                              f"got {tuple(ts_w.shape)}")
+    if ts_w is not None and is_bucket_map(timestamps):  # hstu::time_bucket_map's buckets: read as they are
+        if tuple(timestamps.shape) != (batch, max_seq_len, max_seq_len) or ts_bounds is not None:
+            raise ValueError(f"hstu attention: a bucket map must be [B, N, N] = [{batch}, {max_seq_len}, "
+                             f"{max_seq_len}] without ts_bounds, got {tuple(timestamps.shape)}")
+    elif ts_w is not None:
         dense = timestamps.dim() == 2
         shape_ok = tuple(timestamps.shape) == (batch, max_seq_len) if dense else \
             (timestamps.dim() == 1 and timestamps.shape[0] == rows)
@@ -72,15 +79,24 @@ def _tab_args(timestamps, pos_w, ts_w, rows, max_seq_len, ts_bounds=None, batch=
     if per_head:
         flags["TAB_HEADS"] = per_head
     bnd = (None, None)
-    if ts_w is not None:
-        flags["HAS_TS"] = (2 if timestamps.dim() == 2 else 1) + (0 if ts_next else 2)
-        nb = ts_w.shape[-1] - 1
-        bnd = _ts_bounds_and_plan(ts_bounds, nb, timestamps.dtype, timestamps.device)
-        # binary-search steps of the fallback (2**steps > num_buckets); a symbolic size takes the most
-        flags["TS_STEPS"] = int(nb).bit_length() if type(nb) is int else 31
+    if ts_w is not None and is_bucket_map(timestamps):
+        flags["HAS_TS"], flags["TS_STEPS"] = MAP_HAS_TS, 1
+        plan = torch.zeros(4, dtype=torch.float32, device=timestamps.device)  # read, unused, by _bias_operands
+        bnd = (plan, plan)
+    elif ts_w is not None:
+        bnd, flags["HAS_TS"], flags["TS_STEPS"] = ts_switches(timestamps, ts_w.shape[-1] - 1, ts_bounds, ts_next)
     cont = lambda t: None if t is None else t.contiguous()  # noqa: E731
     return ((cont(timestamps) if ts_w is not None else None, cont(pos_w), cont(ts_w),
              ts_w.shape[-1] - 1 if ts_w is not None else 0), bnd, flags)
+
+
+def ts_switches(timestamps, num_buckets, ts_bounds, ts_next) -> tuple:
+    """((thresholds, guess plan), HAS_TS, TS_STEPS) of timestamps ([L] jagged or [B, N] padded) for the kernels
+    that compute time buckets (docs/semantics.md)."""
+    bnd = _ts_bounds_and_plan(ts_bounds, num_buckets, timestamps.dtype, timestamps.device)
+    # binary-search steps of the fallback (2**steps > num_buckets); a symbolic size takes the most
+    steps = int(num_buckets).bit_length() if type(num_buckets) is int else 31
+    return bnd, (2 if timestamps.dim() == 2 else 1) + (0 if ts_next else 2), steps
 
 
 # The time bucket of the table bias is #{k : |dt| >= ts_bounds[k]} (reference.buckets_from_bounds). The

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _compat, config
+from ..reference.rab import map_dtype
 from . import common
 from .attention_jit import MAP_HAS_TS, _bias_operands, _seq_bounds, _time_bucket
 from .common import launcher
@@ -52,18 +52,9 @@ def _bucket_map_kernel(MAP, SEQ_OFFSETS, TS, TSB, TSP, NB, ROWS, MAX_N, HAS_TS: 
                  mask=(rows[:, None] < n) & (cols[None, :] < MAX_N))
 
 
-def _map_dtype(num_buckets):
-    """The smallest integer dtype holding buckets 0..num_buckets (None: none small enough to pay off)."""
-    if _compat.guarded(num_buckets <= 255):
-        return torch.uint8
-    return torch.int16 if _compat.guarded(num_buckets <= 32767) else None
-
-
 def keys_up_to_query(spec, intervals) -> bool:
-    """True when no mask option lets a query read a key after it (causal, no contextual prefix, no
-    intervals, every option added to the spec at its default): the map's upper triangle is never read."""
-    return (intervals is None and spec.causal and _compat.guarded(spec.contextual_seq_len == 0)
-            and all(getattr(spec, f.name) == f.default for f in spec.added_fields()))
+    """:meth:`AttentionSpec.keys_up_to_query` of a call (``intervals``: its tensor or None)."""
+    return spec.keys_up_to_query(intervals is not None)
 
 
 def with_bucket_map(tab_args: tuple, tab_bnd: tuple, tab_flags: dict, seq_offsets, rows: int, batch: int,
@@ -74,23 +65,28 @@ def with_bucket_map(tab_args: tuple, tab_bnd: tuple, tab_flags: dict, seq_offset
     ``intervals``: the call's mask (:func:`keys_up_to_query`: whether the map's upper triangle is read)."""
     ts, pos_w, ts_w, nb = tab_args
     has_ts = tab_flags.get("HAS_TS", 0)
-    if ts_w is None or not has_ts or has_ts == MAP_HAS_TS:
+    from ..ops.bucket_map import fits_budget
+
+    if ts_w is None or not has_ts or has_ts == MAP_HAS_TS or not fits_budget(nb, batch, max_seq_len):
         return tab_args, tab_flags
-    dtype = _map_dtype(nb)
-    budget = config.get("bucket_map_mb") * 2 ** 20
-    if dtype is None or budget <= 0 or not _compat.guarded(max_seq_len <= 46340):  # the readers' 32-bit offsets
-        return tab_args, tab_flags
-    size = batch * max_seq_len * max_seq_len * dtype.itemsize
-    if not _compat.guarded(size <= budget):
-        return tab_args, tab_flags
-    device = ts.device
-    if common.POISON_OUTPUTS:  # tests: what the map kernel leaves unwritten must not matter
-        bmap = torch.full((batch, max_seq_len, max_seq_len), torch.iinfo(dtype).max, dtype=dtype, device=device)
-    else:
-        bmap = torch.empty((batch, max_seq_len, max_seq_len), dtype=dtype, device=device)
-    tsb, tsp = tab_bnd
-    args = (bmap, seq_offsets, ts, tsb, tsp, nb, rows, max_seq_len)
-    grid = (-(-max_seq_len // _BLOCK), batch)  # plain arithmetic: SymInts too; callers return early for B, N = 0
-    launcher(_bucket_map_kernel, args)[grid](*args, HAS_TS=has_ts, TS_STEPS=tab_flags["TS_STEPS"],
-                                             LOWER=keys_up_to_query(spec, intervals), BLOCK_M=_BLOCK, BLOCK_N=_BLOCK)
+    bmap = make_bucket_map(ts, seq_offsets, rows, batch, max_seq_len, nb, tab_bnd, has_ts, tab_flags["TS_STEPS"],
+                           keys_up_to_query(spec, intervals))
     return (bmap, pos_w, ts_w, nb), dict(tab_flags, HAS_TS=MAP_HAS_TS)
+
+
+def make_bucket_map(ts, seq_offsets, rows, batch, max_seq_len, num_buckets, tab_bnd, has_ts, ts_steps,
+                    lower: bool) -> torch.Tensor:
+    """The ``[B, N, N]`` map (uint8; int16 above 255 buckets) of ``ts``' buckets by :func:`_bucket_map_kernel`
+    (``tab_bnd``, ``has_ts``, ``ts_steps``: attention_bias_args._tab_args' thresholds, plan and switches);
+    ``lower``: only ``j <= i`` is written."""
+    dtype = map_dtype(num_buckets)
+    if common.POISON_OUTPUTS:  # tests: what the map kernel leaves unwritten must not matter
+        bmap = torch.full((batch, max_seq_len, max_seq_len), torch.iinfo(dtype).max, dtype=dtype, device=ts.device)
+    else:
+        bmap = torch.empty((batch, max_seq_len, max_seq_len), dtype=dtype, device=ts.device)
+    tsb, tsp = tab_bnd
+    args = (bmap, seq_offsets, ts, tsb, tsp, num_buckets, rows, max_seq_len)
+    grid = (-(-max_seq_len // _BLOCK), batch)  # plain arithmetic: SymInts too; callers return early for B, N = 0
+    launcher(_bucket_map_kernel, args)[grid](*args, HAS_TS=has_ts, TS_STEPS=ts_steps, LOWER=lower, BLOCK_M=_BLOCK,
+                                             BLOCK_N=_BLOCK)
+    return bmap

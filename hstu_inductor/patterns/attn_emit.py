@@ -126,7 +126,9 @@ def rewrite(gm, plan: Plan):
         args = [q3, k3, v3, plan.offsets_arg, plan.N_arg, plan.alpha, plan.num_targets, scale, w, c, f, causal]
         call = lambda t, a, kw=None: emit_call(graph, t, a, kw)  # noqa: E731
         extra = [attn_bias.emit_rab(call, plan, plan.N_arg), attn_intervals.emit_intervals(call, plan)]
-        tables = attn_tables.emit_tables(call, gm, plan, plan.N_arg)
+        rows = meta_val(q3).shape[0]
+        rows = call(aten.sym_size.int, [q3, 0]) if isinstance(rows, torch.SymInt) else rows
+        tables = attn_tables.emit_tables(call, gm, plan, plan.N_arg, rows, extra[1] is not None)
         if any(x is not None for x in tables):  # path (b): timestamps, pos_w, ts_w, ts_bounds
             extra += tables
         if any(x is not None for x in extra):  # graphs without rab / intervals keep the 12-argument call

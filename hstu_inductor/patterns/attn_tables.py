@@ -51,6 +51,7 @@ import operator
 import torch
 
 from .. import _compat, config
+from ..ops import bucket_map as bucket_map_ops
 from ..reference.jagged import jagged_to_padded
 from ..reference.rab import buckets_from_bounds, time_bucket_bounds
 from . import attn_layout as lay
@@ -603,9 +604,12 @@ def finish(checks, plan) -> None:
 # Emit
 
 
-def emit_tables(call, gm, plan, N_arg) -> list:
+def emit_tables(call, gm, plan, N_arg, rows=None, has_intervals=False) -> list:
     """``[timestamps, pos_w, ts_w, ts_bounds]`` for the op (all None without a table bias), then ``False`` for a
-    gap ``ts(i) - ts(j)`` (the op's ``ts_next``; left out for the original's ``ts(next(i)) - ts(j)``)."""
+    gap ``ts(i) - ts(j)`` (the op's ``ts_next``; left out for the original's ``ts(next(i)) - ts(j)``). When the
+    time buckets' ``[B, N, N]`` map fits ``config.bucket_map_mb``, ``timestamps`` is ``hstu::time_bucket_map``'s
+    map instead (``ts_bounds`` None): the op's autograd then saves the map, and the backward reads it rather than
+    computing it again. ``rows``: the op's L (a node or int); ``has_intervals``: the call replaces the mask."""
     tabs = getattr(plan.rab, "tables", None) if plan.rab is not None else None
     if tabs is None:
         return [None] * 4
@@ -630,6 +634,14 @@ def emit_tables(call, gm, plan, N_arg) -> list:
         # re-trace of the graph under one takes it too)
         bounds = call(aten.lift_fresh_copy.default,
                       [_constant(gm, tabs.bounds, meta_val(stamps).device, meta_val(stamps))])
+        nb = int(meta_val(T).shape[0]) - 1
+        B = meta_val(plan.offsets_arg).shape[0] - 1
+        if rows is not None and bucket_map_ops.fits_budget(nb, B, meta_val(N_arg) if isinstance(N_arg, torch.fx.Node)
+                                                           else N_arg):
+            lower = plan.params.keys_up_to_query(has_intervals)
+            bmap = call(torch.ops.hstu.time_bucket_map.default,
+                        [stamps, plan.offsets_arg, rows, N_arg, nb, bounds, tabs.ts_next, lower])
+            return [bmap, pos_w, ts_w, None]
     return [stamps, pos_w, ts_w, bounds] + ([False] if tabs.ts is not None and not tabs.ts_next else [])
 
 

@@ -12,6 +12,7 @@ from .jagged import (_is_concrete, gather_padded, lengths_from_offsets, padded_r
                      require, row_to_sequence, validate_jagged)
 from ..spec import AttentionSpec
 from .mask import hstu_mask, interval_mask
+from .rab import is_bucket_map
 
 __all__ = ["hstu_mha", "hstu_mha_backward", "delta_hstu_mha", "validate_attention_inputs", "validate_rab_intervals",
            "validate_rab_tables"]
@@ -98,8 +99,8 @@ def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Ten
                         ts_bounds: torch.Tensor | None = None, seq_offsets: torch.Tensor | None = None) -> None:
     """The table bias of ``hstu::attention`` (docs/semantics.md): ``pos_w: [2N-1]`` and/or ``ts_w:
     [num_buckets+1]`` (fp16/bf16/fp32), ``timestamps`` (int32/int64/fp32/fp64) exactly when ``ts_w`` is given:
-    jagged ``[L]`` (0 past each sequence) or padded ``[B, N]`` (``seq_offsets`` given; its padding is read);
-    optional ``ts_bounds: [num_buckets]`` (int64 for integer timestamps, else the timestamps' dtype). Their
+    jagged ``[L]`` (0 past each sequence) or padded ``[B, N]`` (``seq_offsets`` given; its padding is read), or
+    their buckets as ``hstu::time_bucket_map``'s ``[B, N, N]`` uint8 / int16 map; optional ``ts_bounds: [num_buckets]`` (int64 for integer timestamps, else the timestamps' dtype). Their
     values (non-decreasing thresholds) are the caller's contract, not checked (that would need a host sync)."""
     L = q.shape[0]
     require(timestamps is None or ts_w is not None, lambda: "timestamps are only used with ts_w")
@@ -119,6 +120,13 @@ def validate_rab_tables(q: torch.Tensor, max_seq_len: int, timestamps: torch.Ten
         require((ts_w.dim() == 1 or (ts_w.dim() == 2 and ts_w.shape[0] == H)) and ts_w.shape[-1] >= 1,
                 lambda: f"ts_w must be [num_buckets + 1] or [H, num_buckets + 1] (H={H}), got {tuple(ts_w.shape)}")
         B = seq_offsets.shape[0] - 1 if seq_offsets is not None else None
+        if is_bucket_map(timestamps):  # hstu::time_bucket_map's buckets in place of the timestamps
+            require(B is not None and tuple(timestamps.shape) == (B, max_seq_len, max_seq_len),
+                    lambda: f"a bucket map must be [B, N, N] = [{B}, {max_seq_len}, {max_seq_len}], got "
+                            f"{tuple(timestamps.shape)}")
+            require(ts_bounds is None, lambda: "ts_bounds are not used with a bucket map (its buckets are final)")
+            require(timestamps.device == q.device, lambda: f"the bucket map is on {timestamps.device}, q on {q.device}")
+            return
         require((timestamps.dim() == 1 and timestamps.shape[0] == L)
                 or (timestamps.dim() == 2 and B is not None and tuple(timestamps.shape) == (B, max_seq_len)),
                 lambda: f"timestamps must be [L] = [{L}] (jagged) or [B, N] = [{B}, {max_seq_len}] (padded), got "

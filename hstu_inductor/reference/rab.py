@@ -12,7 +12,8 @@ import torch
 
 from .jagged import jagged_to_padded
 
-__all__ = ["time_buckets", "time_bucket_bounds", "buckets_from_bounds", "relative_bias", "relative_bias_backward"]
+__all__ = ["time_buckets", "time_bucket_bounds", "buckets_from_bounds", "relative_bias", "relative_bias_backward",
+           "bucket_map", "is_bucket_map"]
 
 
 def time_buckets(dt: torch.Tensor, num_buckets: int, bounds: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,6 +74,32 @@ def time_bucket_bounds(num_buckets: int, dtype: torch.dtype = torch.int64, bucke
     return out(torch.where(below, lo, hi))
 
 
+MAP_DTYPES = (torch.uint8, torch.int16)
+
+
+def is_bucket_map(timestamps) -> bool:
+    """Whether the ``timestamps`` argument of the table bias is a precomputed ``[B, N, N]`` map of time buckets
+    (``hstu::time_bucket_map``: uint8, int16 above 255 buckets) rather than timestamps."""
+    return timestamps is not None and timestamps.dim() == 3 and timestamps.dtype in MAP_DTYPES
+
+
+def bucket_map(timestamps, seq_offsets, max_seq_len: int, num_buckets: int, ts_bounds=None, ts_next=True):
+    """The ``[B, N, N]`` map of ``bucket(ts(next(i)) - ts(j))`` (every ``i, j < N``, as :func:`relative_bias`
+    computes it), uint8 up to 255 buckets, int16 up to 32767."""
+    dtype = map_dtype(num_buckets)
+    if dtype is None:
+        raise ValueError(f"a bucket map holds at most 32767 buckets, got {num_buckets}")
+    _, bucket = _indices(timestamps, seq_offsets, max_seq_len, num_buckets, timestamps.device, ts_bounds, ts_next)
+    return bucket.to(dtype)
+
+
+def map_dtype(num_buckets):
+    """The smallest integer dtype of a bucket map holding buckets 0..num_buckets (None: more than int16 holds)."""
+    if num_buckets <= 255:
+        return torch.uint8
+    return torch.int16 if num_buckets <= 32767 else None
+
+
 def _indices(timestamps, seq_offsets, N, num_buckets, device, bounds=None, ts_next=True):
     """(pos index [N, N] = N-1+j-i, bucket index [B, N, N] or None without timestamps); the query's
     timestamp is that of ``next(i)`` (``ts_next``, the original HSTU) or of ``i``."""
@@ -80,6 +107,8 @@ def _indices(timestamps, seq_offsets, N, num_buckets, device, bounds=None, ts_ne
     pos = N - 1 + i.unsqueeze(0) - i.unsqueeze(1)
     if timestamps is None:
         return pos, None
+    if is_bucket_map(timestamps):  # the buckets themselves (hstu::time_bucket_map), clamped as the kernels read them
+        return pos, timestamps.to(torch.int64).clamp(0, num_buckets)
     # [B, N]: a padded input as it is (its padding is read), jagged ones padded with 0
     ts = timestamps if timestamps.dim() == 2 else jagged_to_padded(timestamps, seq_offsets, N)
     nxt = (i + 1).clamp(max=N - 1) if ts_next else i

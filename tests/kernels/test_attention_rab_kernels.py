@@ -341,6 +341,35 @@ def test_table_grad_buffer_budget(monkeypatch):
     assert not use(dict(HAS_POS=True), 1e9, n=46341)  # 32-bit offsets
 
 
+@SMALL
+@pytest.mark.parametrize("case", ["lower_targets", "full_ctx"])
+def test_precomputed_bucket_map(case, poison, monkeypatch):
+    """The kernels given a precomputed map in place of the timestamps (what ``hstu::time_bucket_map`` hands the
+    attention for a whole step: its CUDA kernel with ``lower`` for a causal mask, else every element as the
+    reference computes them) give the timestamps' results bit for bit, forward and every gradient."""
+    from hstu_inductor.kernels import bucket_map
+    from hstu_inductor.kernels.attention_bias_args import ts_switches
+    from hstu_inductor.reference.rab import bucket_map as reference_map
+
+    monkeypatch.setattr(config, "bwd_algo", "atomic")
+    seed = sum(map(ord, case))
+    q, k, v, dout, off = _batch(LENGTHS, 2, 16, torch.float32, seed=seed)
+    ts, pos_w, ts_w = _tables(LENGTHS, N, 20, torch.int64, "pos+ts", seed=seed + 1)
+    kw = dict(num_targets=torch.tensor([2, 0, 1, 3])) if case == "lower_targets" else dict(contextual_seq_len=3)
+    if case == "lower_targets":
+        bnd, has_ts, steps = ts_switches(ts, 20, None, True)
+        bmap = bucket_map.make_bucket_map(ts, off, q.shape[0], len(LENGTHS), N, 20, bnd, has_ts, steps, True)
+    else:
+        bmap = reference_map(ts, off, N, 20)
+    got = {}
+    for name, stamps in (("timestamps", ts), ("map", bmap)):
+        tkw = dict(timestamps=stamps, pos_w=pos_w, ts_w=ts_w, **kw)
+        out = K.hstu_attention_fwd(q, k, v, off, N, 0.25, **tkw)
+        got[name] = (out, *K.hstu_attention_bwd(dout, q, k, v, off, N, 0.25, table_grad=True, **tkw))
+    for what, a, b in zip(("out", "dq", "dk", "dv", "dpos", "dts"), got["timestamps"], got["map"]):
+        assert torch.isfinite(a).all() and torch.equal(a, b), what
+
+
 def test_bucket_map_budget_and_dtype(monkeypatch):
     """The map is used within ``config.bucket_map_mb`` only: uint8 up to 255 buckets, int16 above, none past
     32767 buckets; the upper triangle is skipped only when no mask option lets a query read a later key."""

@@ -319,13 +319,21 @@ def _graph(model, args):
 
 
 def test_op_arguments_original(fresh_dynamo):
-    """The original spelling: rab None, the user's tables (pos_w a view when it is exactly [2N-1]),
-    int64 timestamps, and the fp32-log thresholds as a constant buffer (128 buckets: not the fp64
-    definition's)."""
+    """The original spelling: rab None, the user's tables (pos_w a view when it is exactly [2N-1]), and the
+    time buckets' map from ``hstu::time_bucket_map`` of the int64 timestamps and the fp32-log thresholds as a
+    constant buffer (128 buckets: not the fp64 definition's); with ``bucket_map_mb = 0``, those straight to the
+    op."""
     model = TableBias("original", nb=128)
     args = make_args(LENGTHS, 1, "original")
     gm, op, _ = _graph(model, args)
-    rab, stamps, pos_w, ts_w, bounds = op.args[12], op.args[14], op.args[15], op.args[16], op.args[17]
+    rab, bmap, pos_w, ts_w = op.args[12], op.args[14], op.args[15], op.args[16]
+    assert bmap.target is torch.ops.hstu.time_bucket_map.default and op.args[17:18] in ((), (None,))
+    stamps, bounds = bmap.args[0], bmap.args[5]
+    assert bmap.args[2:5] == (sum(LENGTHS), N, 128) and bmap.args[6:] == (True, True)  # ts(next(i)); causal
+    with hstu_inductor.config.patch(bucket_map_mb=0):
+        torch._dynamo.reset()
+        _, op0, _ = _graph(model, args)
+    assert op0.args[14].op == "placeholder" and op0.args[17].target is torch.ops.aten.lift_fresh_copy.default
     assert rab is None and stamps.op == "placeholder" and stamps.meta["val"].dtype == torch.int64
     assert pos_w.op == "placeholder" and ts_w.op == "placeholder"
     assert bounds.target is torch.ops.aten.lift_fresh_copy.default and bounds.args[0].op == "get_attr"
@@ -366,8 +374,9 @@ def test_near_misses_stay_dense(spelling, fresh_dynamo):
 
 
 def test_export_tables(tmp_path):
-    """``torch.export`` (``Dim.AUTO``): the rewritten program calls the op with the tables and the
-    thresholds (a buffer of the program) and equals eager on other lengths."""
+    """``torch.export`` (``Dim.AUTO``): the rewritten program calls the op with the tables and the time buckets'
+    map, made by ``hstu::time_bucket_map`` from the timestamps and the thresholds (a buffer of the program), and
+    equals eager on other lengths."""
     import hstu_inductor.export as hx
     from torch.export import Dim
 
@@ -377,7 +386,8 @@ def test_export_tables(tmp_path):
     new_ep, report = hx.rewrite_exported_program(ep)
     assert report.counts["attention"] == 1 and "tables:" in report.details[0][1], report
     (op,) = [n for n in new_ep.graph.nodes if n.op == "call_function" and n.target is ATTN]
-    assert op.args[12] is None and op.args[17] is not None
+    assert op.args[12] is None and op.args[14].target is torch.ops.hstu.time_bucket_map.default
+    assert op.args[14].args[5] is not None and len(op.args) <= 17 or op.args[17] is None
     for seed, lens in ((3, LENGTHS2), (4, [3, 16, 11])):
         a = make_args(lens, seed, "original")
         with torch.no_grad():
