@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.rab import map_dtype
+from .. import config
+from ..reference.rab import map_dtype, map_fits
 from . import common
 from .attention_jit import MAP_HAS_TS, _bias_operands, _seq_bounds, _time_bucket
 from .common import launcher
@@ -65,9 +66,8 @@ def with_bucket_map(tab_args: tuple, tab_bnd: tuple, tab_flags: dict, seq_offset
     ``intervals``: the call's mask (:func:`keys_up_to_query`: whether the map's upper triangle is read)."""
     ts, pos_w, ts_w, nb = tab_args
     has_ts = tab_flags.get("HAS_TS", 0)
-    from ..ops.bucket_map import fits_budget
-
-    if ts_w is None or not has_ts or has_ts == MAP_HAS_TS or not fits_budget(nb, batch, max_seq_len):
+    if ts_w is None or not has_ts or has_ts == MAP_HAS_TS or \
+            not map_fits(nb, batch, max_seq_len, config.get("bucket_map_mb")):
         return tab_args, tab_flags
     bmap = make_bucket_map(ts, seq_offsets, rows, batch, max_seq_len, nb, tab_bnd, has_ts, tab_flags["TS_STEPS"],
                            keys_up_to_query(spec, intervals))

@@ -13,24 +13,11 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from .. import _compat, config
 from ..reference.rab import bucket_map as reference_bucket_map
 from ..reference.rab import map_dtype
 from . import _kernels
 
-__all__ = ["time_bucket_map", "fits_budget"]
-
-
-def fits_budget(num_buckets, batch, max_seq_len) -> bool:
-    """Whether a ``[B, N, N]`` map of ``num_buckets`` buckets fits ``config.bucket_map_mb`` (and the attention
-    kernels' 32-bit offsets into it); symbolic sizes are decided on their hints and guarded."""
-    if not _compat.guarded(num_buckets <= 32767):
-        return False
-    budget = config.get("bucket_map_mb") * 2 ** 20
-    if budget <= 0 or not _compat.guarded(max_seq_len <= 46340):
-        return False
-    itemsize = 1 if _compat.guarded(num_buckets <= 255) else 2
-    return _compat.guarded(batch * max_seq_len * max_seq_len * itemsize <= budget)
+__all__ = ["time_bucket_map"]
 
 
 @triton_op("hstu::time_bucket_map", mutates_args=())

@@ -51,9 +51,8 @@ import operator
 import torch
 
 from .. import _compat, config
-from ..ops import bucket_map as bucket_map_ops
 from ..reference.jagged import jagged_to_padded
-from ..reference.rab import buckets_from_bounds, time_bucket_bounds
+from ..reference.rab import buckets_from_bounds, map_fits, time_bucket_bounds
 from . import attn_layout as lay
 from . import constants
 from .attn_find import meta_val
@@ -636,8 +635,8 @@ def emit_tables(call, gm, plan, N_arg, rows=None, has_intervals=False) -> list:
                       [_constant(gm, tabs.bounds, meta_val(stamps).device, meta_val(stamps))])
         nb = int(meta_val(T).shape[0]) - 1
         B = meta_val(plan.offsets_arg).shape[0] - 1
-        if rows is not None and bucket_map_ops.fits_budget(nb, B, meta_val(N_arg) if isinstance(N_arg, torch.fx.Node)
-                                                           else N_arg):
+        n = meta_val(N_arg) if isinstance(N_arg, torch.fx.Node) else N_arg
+        if rows is not None and map_fits(nb, B, n, config.get("bucket_map_mb")):
             lower = plan.params.keys_up_to_query(has_intervals)
             bmap = call(torch.ops.hstu.time_bucket_map.default,
                         [stamps, plan.offsets_arg, rows, N_arg, nb, bounds, tabs.ts_next, lower])

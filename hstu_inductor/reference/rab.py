@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compat import guarded
 from .jagged import jagged_to_padded
 
 __all__ = ["time_buckets", "time_bucket_bounds", "buckets_from_bounds", "relative_bias", "relative_bias_backward",
@@ -98,6 +99,15 @@ def map_dtype(num_buckets):
     if num_buckets <= 255:
         return torch.uint8
     return torch.int16 if num_buckets <= 32767 else None
+
+
+def map_fits(num_buckets, batch, max_seq_len, budget_mib) -> bool:
+    """Whether a ``[B, N, N]`` bucket map fits ``budget_mib`` (``config.bucket_map_mb``) and the attention
+    kernels' 32-bit offsets into it; symbolic sizes are decided on their hints and guarded."""
+    if not guarded(num_buckets <= 32767) or budget_mib <= 0 or not guarded(max_seq_len <= 46340):
+        return False
+    itemsize = 1 if guarded(num_buckets <= 255) else 2
+    return guarded(batch * max_seq_len * max_seq_len * itemsize <= budget_mib * 2 ** 20)
 
 
 def _indices(timestamps, seq_offsets, N, num_buckets, device, bounds=None, ts_next=True):
