@@ -37,12 +37,13 @@ def time_bucket_map(timestamps: Tensor, seq_offsets: Tensor, rows: int, max_seq_
     if K is None:
         return reference_bucket_map(timestamps, seq_offsets, max_seq_len, num_buckets, ts_bounds, ts_next)
     from ..kernels import bucket_map
+    from ..kernels.attention import _device_ctx
     from ..kernels.attention_bias_args import ts_switches
     from ..kernels.common import address_source
 
     if B <= 0 or max_seq_len <= 0:
         return torch.zeros((max(B, 0), max_seq_len, max_seq_len), dtype=dtype, device=timestamps.device)
     bnd, has_ts, steps = ts_switches(timestamps, num_buckets, ts_bounds, ts_next)
-    with torch.cuda.device(timestamps.device):
+    with _device_ctx(timestamps.device):  # the launch goes to the current device
         return bucket_map.make_bucket_map(timestamps.contiguous(), address_source(seq_offsets), rows, B, max_seq_len,
                                           num_buckets, bnd, has_ts, steps, lower)
