@@ -33,8 +33,7 @@ def time_bucket_map(timestamps: Tensor, seq_offsets: Tensor, rows: int, max_seq_
     dtype = map_dtype(num_buckets)
     if dtype is None:
         raise ValueError(f"hstu::time_bucket_map: at most 32767 buckets, got {num_buckets}")
-    K = _kernels.kernels_for(timestamps)
-    if K is None:
+    if _kernels.kernels_for(timestamps) is None:
         return reference_bucket_map(timestamps, seq_offsets, max_seq_len, num_buckets, ts_bounds, ts_next)
     from ..kernels import bucket_map
     from ..kernels.attention import _device_ctx

@@ -95,19 +95,20 @@ def bucket_map(timestamps, seq_offsets, max_seq_len: int, num_buckets: int, ts_b
 
 
 def map_dtype(num_buckets):
-    """The smallest integer dtype of a bucket map holding buckets 0..num_buckets (None: more than int16 holds)."""
-    if num_buckets <= 255:
+    """The smallest integer dtype of a bucket map holding buckets 0..num_buckets (None: more than int16 holds);
+    a symbolic count is decided on its hint and guarded."""
+    if guarded(num_buckets <= 255):
         return torch.uint8
-    return torch.int16 if num_buckets <= 32767 else None
+    return torch.int16 if guarded(num_buckets <= 32767) else None
 
 
 def map_fits(num_buckets, batch, max_seq_len, budget_mib) -> bool:
     """Whether a ``[B, N, N]`` bucket map fits ``budget_mib`` (``config.bucket_map_mb``) and the attention
     kernels' 32-bit offsets into it; symbolic sizes are decided on their hints and guarded."""
-    if not guarded(num_buckets <= 32767) or budget_mib <= 0 or not guarded(max_seq_len <= 46340):
+    dtype = map_dtype(num_buckets)
+    if dtype is None or budget_mib <= 0 or not guarded(max_seq_len <= 46340):
         return False
-    itemsize = 1 if guarded(num_buckets <= 255) else 2
-    return guarded(batch * max_seq_len * max_seq_len * itemsize <= budget_mib * 2 ** 20)
+    return guarded(batch * max_seq_len * max_seq_len * dtype.itemsize <= budget_mib * 2 ** 20)
 
 
 def _indices(timestamps, seq_offsets, N, num_buckets, device, bounds=None, ts_next=True):
