@@ -11,7 +11,7 @@ PYTEST_OPTS = -q -n $(PYTEST_WORKERS) --durations=25
 # interpreters) loads it instead of compiling torch from source again (~7 s of CPU per process on 2 cores).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: train train-rab test test-fast test-inductor durations setup setup-test setup-examples bench-attention clean
+.PHONY: train train-rab test test-all test-fast test-inductor durations setup setup-test setup-examples bench-attention clean
 
 train: setup-examples
 	$(PY) examples/train_hstu.py $(ARGS)
@@ -22,6 +22,11 @@ train-rab: setup-examples
 
 test: setup-test
 	$(PY) -m pytest tests $(PYTEST_OPTS) $(PYTEST_ARGS)
+
+# Every CPU test, the ``slow`` ones too (tests/conftest.py HALVED: the other half of each halved family):
+# before a release, after changing what a halved family covers, and at each stop beside CI.
+test-all: setup-test
+	$(PY) -m pytest tests $(PYTEST_OPTS) -m "not gpu"
 
 # Inner loop: everything but the tests marked ``heavy`` (see tests/conftest.py). `make test` (CI)
 # from a fresh clone, setup and cold cache included: README "Development".

@@ -197,13 +197,58 @@ HEAVY = (
 )
 
 
+# Families of cases that vary one axis another test of the family already covers (spellings of one
+# rewrite, mask options of one kernel, compile modes of one spelling): `make test` (CI, <= 8 min on 2 cores)
+# runs every other case of each, in collection order from the first; the rest are marked ``slow`` and run
+# with `make test-all`. Cases already marked ``slow`` by their file are left out of the count.
+HALVED = (
+    "tests/patterns/test_attention_dynamic_true.py::test_dynamic_true_rewritten_and_equal",
+    "tests/patterns/test_attention_dynamic.py::test_dynamic_batch_and_length",
+    "tests/patterns/test_attention_rab.py::test_rab_rewritten_equal_to_eager",
+    "tests/patterns/test_attention_rab.py::test_sla_every_config_rewritten",
+    "tests/patterns/test_attention_rab_tables.py::test_tables_to_path_b_training",
+    "tests/patterns/test_attention_rab_tables.py::test_near_misses_stay_dense",
+    "tests/patterns/test_attention_spellings.py::test_training_matches_eager",
+    "tests/patterns/test_attention_spellings.py::test_inference_matches_eager",
+    "tests/patterns/test_attention_symbolic_n.py::test_symbolic_n_rewritten",
+    "tests/patterns/test_attention_symbolic_n.py::test_symbolic_n_near_miss",
+    "tests/patterns/test_batch_of_one.py::test_stu_layer_batch_of_one",
+    "tests/patterns/test_metamorphic.py::test_through_the_backend",
+    "tests/patterns/test_spelling_grammar.py::test_fixed_sample",
+    "tests/kernels/test_attention_kernels.py::test_block_shapes_and_skipping_bounds",
+    "tests/kernels/test_attention_kernels.py::test_bwd_features_fp32",
+    "tests/kernels/test_attention_rab_kernels.py::test_table_grads_through_dense_buffer",
+    "tests/kernels/test_attention_rab_kernels.py::test_bucket_map_equals_per_tile_buckets",
+    "tests/kernels/test_delta_split.py::test_fold_equals_reference",
+    "tests/test_ops_opcheck.py::test_opcheck_attention",
+    "tests/test_ops_opcheck.py::test_opcheck_attention_bwd",
+    "tests/test_ops_opcheck.py::test_opcheck_stu_preprocess_bwd",
+    "tests/test_ops_opcheck.py::test_opcheck_stu_output_bwd",
+    "tests/distributed/test_ddp_fsdp.py::test_fsdp2_every_block_rewritten_and_grads_equal",
+)
+
+
+def _halve(items) -> None:
+    slow = pytest.mark.slow
+    seen: dict[str, int] = {}
+    for item in items:
+        family = item.nodeid.split("[", 1)[0]
+        if family not in HALVED or item.get_closest_marker("slow") is not None:
+            continue
+        k = seen.get(family, 0)
+        seen[family] = k + 1
+        if k % 2:
+            item.add_marker(slow)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests under a ``HEAVY`` prefix get the ``heavy`` mark; ``@pytest.mark.gpu`` tests are
-    skipped when CUDA is unavailable."""
+    """Tests under a ``HEAVY`` prefix get the ``heavy`` mark, every other case of a ``HALVED`` family
+    ``slow``; ``@pytest.mark.gpu`` tests are skipped when CUDA is unavailable."""
     heavy = pytest.mark.heavy
     for item in items:
         if item.nodeid.startswith(HEAVY):
             item.add_marker(heavy)
+    _halve(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

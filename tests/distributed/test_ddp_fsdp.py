@@ -33,10 +33,26 @@ _HAS_FSDP2 = hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard
 FSDP_VARIANTS = {("layer", "whole"): 1, ("layer", "block"): 1, ("root", "whole"): LAYERS, ("root", "block"): 1}
 
 
+# which case each test checks (its FSDP2 variant from the parametrization)
+_CASE_OF = {"test_ddp_every_block_rewritten_across_bucket_splits": "ddp",
+            "test_sharded_embedding_feeding_ddp_dense_part": "sharded_embedding",
+            "test_python_reducer_every_block_rewritten": "python_reducer"}
+
+
 @pytest.fixture(scope="module")
-def ranks():
-    fsdp = list(FSDP_VARIANTS) if _HAS_FSDP2 else []
-    return run_cases("ddp", "sharded_embedding", *fsdp, "python_reducer")
+def ranks(request):
+    """The cases of the tests selected in this session (`make test` leaves out the ``slow`` FSDP2 variants:
+    tests/conftest.py HALVED), in the order of the module docstring; the processes' start-up and each case's
+    compile are most of this file's time."""
+    here = [item for item in request.session.items if item.module is request.module]
+    names = {item.originalname for item in here}
+    fsdp = [v for v in FSDP_VARIANTS if _HAS_FSDP2 and any(
+        item.originalname == "test_fsdp2_every_block_rewritten_and_grads_equal"
+        and item.callspec.params["variant"] == v for item in here)]
+    cases = [c for c in ("ddp", "sharded_embedding") if any(_CASE_OF.get(n) == c for n in names)] + fsdp
+    if "test_python_reducer_every_block_rewritten" in names:
+        cases.append("python_reducer")  # last: its mode changes Dynamo's inlining for the rest of the process
+    return run_cases(*cases)
 
 
 def test_ddp_every_block_rewritten_across_bucket_splits(ranks):
