@@ -63,6 +63,7 @@ def test_sharded_embedding_feeding_ddp_dense_part(ranks):
     check_rewritten_and_equal_to_eager(ranks["sharded_embedding"], split=True)
 
 
+@pytest.mark.slow  # `make test-all`: a compiled-autograd mode; make test keeps the default DDP and FSDP2 cases
 def test_python_reducer_every_block_rewritten(ranks):
     """DDP with ``optimize_ddp="python_reducer"`` and compiled autograd: Dynamo does not split the forward
     graph; DDP's gradient allreduces are traced into the compiled backward (a second graph, also given to
