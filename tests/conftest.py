@@ -174,6 +174,7 @@ HEAVY = (
     "tests/patterns/test_attention_near_miss.py::test_nested_training_left_alone",
     "tests/patterns/test_attention_spellings.py::test_training_matches_eager",
     "tests/patterns/test_blocks_model.py::TestReferenceModel",
+    "tests/patterns/test_blocks_model.py::test_stu_layer_variants",
     "tests/patterns/test_blocks_output.py::TestOutputSpellings",
     "tests/patterns/test_blocks_output.py::TestOutputBackwardModes",
     "tests/patterns/test_blocks_output.py::TestOutputTrainingDropout::test_mask_values",
@@ -239,6 +240,9 @@ HALVED = (
     "tests/kernels/test_attention_tile_order.py::test_orders_agree",
     "tests/test_ops_opcheck.py::test_opcheck_delta_attention",
     "tests/test_ops_opcheck.py::test_opcheck_stu_output",
+    "tests/kernels/test_attention_kernels.py::test_window_sweep_fwd_bwd",
+    "tests/kernels/test_attention_kernels.py::test_target_sweep_fwd_bwd",
+    "tests/patterns/test_blocks_model.py::test_stu_layer_variants",
 )
 
 

@@ -383,14 +383,16 @@ def test_gpu_head_dims():
 
 
 @SMALL
-def test_window_sweep_fwd_bwd():
-    """Every window size against 16-wide blocks hits each alignment of the skipping bounds."""
+@pytest.mark.parametrize("part", [0, 1])
+def test_window_sweep_fwd_bwd(part):
+    """Every window size against 16-wide blocks hits each alignment of the skipping bounds (the sizes alternate
+    between the two parts)."""
     lengths = [64, 23, 50]
     N = 64
     q, k, v, off, _ = make_batch(lengths, 1, 16, 16, torch.float32, N, seed=77)
     dout = torch.randn_like(v)
     with K.force_configs(fwd=(16, 16, 4, 1), dkdv=(16, 16, 4, 1), dq=(16, 16, 4, 1)):
-        for w in list(range(1, 19)) + [29, 30, 31, 32, 33]:
+        for w in (list(range(1, 19)) + [29, 30, 31, 32, 33])[part::2]:
             kw = dict(max_attn_len=w, contextual_seq_len=(w % 3) * 2,
                       num_targets=torch.tensor([w % 4, 2, 0], device=DEV) if w % 2 else None)
             out = K.hstu_attention_fwd(q, k, v, off, N, 0.3, tma=bool(w % 2), **kw)
@@ -405,14 +407,16 @@ def test_window_sweep_fwd_bwd():
 
 
 @SMALL
-def test_target_sweep_fwd_bwd():
-    """Target counts at every offset against 16-wide blocks (targets share one id)."""
+@pytest.mark.parametrize("part", [0, 1])
+def test_target_sweep_fwd_bwd(part):
+    """Target counts at every offset against 16-wide blocks (targets share one id; the offsets alternate between
+    the two parts)."""
     lengths = [40, 33, 48, 16]
     N = 48
     q, k, v, off, _ = make_batch(lengths, 1, 16, 16, torch.float32, N, seed=78)
     dout = torch.randn_like(v)
     with K.force_configs(fwd=(16, 16, 4, 1), dkdv=(16, 16, 4, 1), dq=(16, 16, 4, 1)):
-        for t in range(0, 17):
+        for t in range(part, 17, 2):
             nt = torch.tensor([t, t + 1, (t + 2) % 20, t % 5], device=DEV).clamp(max=torch.tensor(lengths, device=DEV))
             kw = dict(num_targets=nt, contextual_seq_len=(t % 3) * 3,
                       max_attn_len=0 if t % 4 else 20, min_full_attn_seq_len=0 if t % 8 else 10)

@@ -2,6 +2,7 @@
 eager-equal in training and inference, dynamic L with at most one recompile; probe unit test."""
 from __future__ import annotations
 
+import pytest
 import torch
 from expecttest import TestCase
 
@@ -23,16 +24,18 @@ def _layer(**kw):
     return small_stu_layer(STULayer, E, H, DQ, DV, **kw)
 
 
+@pytest.mark.parametrize("kw", [{}, {"concat_ua": True}, {"concat_ua": True, "group_norm": True}, {"group_norm": True}],
+                         ids=["plain", "concat_ua", "concat_ua-group_norm", "group_norm"])
+def test_stu_layer_variants(kw):
+    m = _layer(**kw)
+    x, off = _batch([3, 5])
+    rep = check_compiled(m, x, off, N, train=True, counts={"preprocess": 1, "output": 1})
+    assert [k for k, _ in rep.near_misses if k in ("preprocess", "output")] == []
+    m.eval()
+    check_compiled(m, *_batch([4, 2], seed=1), N, train=False, counts={"preprocess": 1, "output": 1})
+
+
 class TestReferenceModel(TestCase):
-    def test_stu_layer_variants(self):
-        for kw in ({}, {"concat_ua": True}, {"group_norm": True}, {"concat_ua": True, "group_norm": True}):
-            with self.subTest(**kw):
-                m = _layer(**kw)
-                x, off = _batch([3, 5])
-                rep = check_compiled(m, x, off, N, train=True, counts={"preprocess": 1, "output": 1})
-                self.assertEqual([k for k, _ in rep.near_misses if k in ("preprocess", "output")], [])
-                m.eval()
-                check_compiled(m, *_batch([4, 2], seed=1), N, train=False, counts={"preprocess": 1, "output": 1})
 
     def test_stu_layer_training_dropout_is_rewritten(self):
         """Output dropout in training becomes the op's seeded dropout (its values and gradients are
