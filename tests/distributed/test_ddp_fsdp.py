@@ -33,7 +33,7 @@ _HAS_FSDP2 = hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard
 FSDP_VARIANTS = {("layer", "whole"): 1, ("layer", "block"): 1, ("root", "whole"): LAYERS, ("root", "block"): 1}
 
 
-# which case each test checks (its FSDP2 variant from the parametrization)
+# the case each test outside the FSDP2 family checks (those name theirs by their parametrization)
 _CASE_OF = {"test_ddp_every_block_rewritten_across_bucket_splits": "ddp",
             "test_sharded_embedding_feeding_ddp_dense_part": "sharded_embedding",
             "test_python_reducer_every_block_rewritten": "python_reducer"}
@@ -45,13 +45,13 @@ def ranks(request):
     tests/conftest.py HALVED), in the order of the module docstring; the processes' start-up and each case's
     compile are most of this file's time."""
     here = [item for item in request.session.items if item.module is request.module]
-    names = {item.originalname for item in here}
+    chosen = {_CASE_OF[item.originalname] for item in here if item.originalname in _CASE_OF}
     fsdp = [v for v in FSDP_VARIANTS if _HAS_FSDP2 and any(
         item.originalname == "test_fsdp2_every_block_rewritten_and_grads_equal"
         and item.callspec.params["variant"] == v for item in here)]
-    cases = [c for c in ("ddp", "sharded_embedding") if any(_CASE_OF.get(n) == c for n in names)] + fsdp
-    if "test_python_reducer_every_block_rewritten" in names:
-        cases.append("python_reducer")  # last: its mode changes Dynamo's inlining for the rest of the process
+    # python_reducer last: its mode changes Dynamo's inlining for the rest of the process
+    cases = [c for c in ("ddp", "sharded_embedding") if c in chosen] + fsdp + \
+        [c for c in ("python_reducer",) if c in chosen]
     return run_cases(*cases)
 
 
