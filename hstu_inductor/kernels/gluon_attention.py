@@ -31,8 +31,6 @@ fe = floor(min(first row, M) / BLOCK_N), M = n - targets).
 from __future__ import annotations
 
 import functools
-import os
-from typing import Optional
 
 import torch
 from triton.experimental import gluon

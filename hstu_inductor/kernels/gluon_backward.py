@@ -40,8 +40,6 @@ such query rows are masked in dK/dV (``i < n``); rows past the end are never sto
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
