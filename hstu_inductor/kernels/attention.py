@@ -55,7 +55,7 @@ from . import table_grad as table_grad_buffer
 from .attention_bias_args import _iv_args, _rab_args, _tab_args
 from .attention_bwd import _dq_finalize_kernel, _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel
 from .attention_fwd import _hstu_fwd_kernel
-from .bucket_map import keys_up_to_query, with_bucket_map
+from .bucket_map import with_bucket_map
 from .common import interpret as _interpret
 from .common import address_source
 from .common import launcher as _launcher
@@ -564,7 +564,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
             with _device_ctx(q.device):
                 table_grad_buffer.reduce_table_grads(
                     drab, tab_args[0] if tab_flags.get("HAS_TS") == _jit.MAP_HAS_TS else None, seq_offsets, L,
-                    max_seq_len, keys_up_to_query(spec, intervals), dpos, dts, tab_args[3])
+                    max_seq_len, spec.keys_up_to_query(intervals is not None), dpos, dts, tab_args[3])
         if rab_grad:
             if scratch is not None:
                 got += (scratch.to(torch.float32).sum(dim=bcast, keepdim=True).to(rab.dtype),)

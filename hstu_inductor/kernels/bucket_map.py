@@ -53,24 +53,20 @@ def _bucket_map_kernel(MAP, SEQ_OFFSETS, TS, TSB, TSP, NB, ROWS, MAX_N, HAS_TS: 
                  mask=(rows[:, None] < n) & (cols[None, :] < MAX_N))
 
 
-def keys_up_to_query(spec, intervals) -> bool:
-    """:meth:`AttentionSpec.keys_up_to_query` of a call (``intervals``: its tensor or None)."""
-    return spec.keys_up_to_query(intervals is not None)
-
-
 def with_bucket_map(tab_args: tuple, tab_bnd: tuple, tab_flags: dict, seq_offsets, rows: int, batch: int,
                     max_seq_len, spec, intervals) -> tuple:
     """(tab_args, tab_flags) with the timestamps replaced by their bucket map (``HAS_TS = 5``) when the table
     bias has a time table and the map fits ``config.bucket_map_mb``; else the arguments unchanged.
     ``rows``: the attention's L (the offsets are clamped to it, as the attention kernels do); ``spec`` and
-    ``intervals``: the call's mask (:func:`keys_up_to_query`: whether the map's upper triangle is read)."""
+    ``intervals``: the call's mask (:meth:`AttentionSpec.keys_up_to_query`: whether the map's upper triangle
+    is read)."""
     ts, pos_w, ts_w, nb = tab_args
     has_ts = tab_flags.get("HAS_TS", 0)
     if ts_w is None or not has_ts or has_ts == MAP_HAS_TS or \
             not map_fits(nb, batch, max_seq_len, config.get("bucket_map_mb")):
         return tab_args, tab_flags
     bmap = make_bucket_map(ts, seq_offsets, rows, batch, max_seq_len, nb, tab_bnd, has_ts, tab_flags["TS_STEPS"],
-                           keys_up_to_query(spec, intervals))
+                           spec.keys_up_to_query(intervals is not None))
     return (bmap, pos_w, ts_w, nb), dict(tab_flags, HAS_TS=MAP_HAS_TS)
 
 

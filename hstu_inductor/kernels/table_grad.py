@@ -117,7 +117,7 @@ def reduce_table_grads(g: torch.Tensor, bmap, seq_offsets, rows: int, max_seq_le
     """Adds the table gradients of the dense bias gradient ``g`` (fp32 ``[B, N, R]``, ``g[b, j, i]`` the gradient
     of query i's bias on key j, row stride R >= N) into ``dpos`` / ``dts`` (``[copies, table]`` fp32; None for an
     absent table). ``bmap``: the call's ``[B, N, N]`` bucket map ``[b, i, j]`` (None without a time table),
-    read transposed; ``lower``: only ``j <= i`` can be nonzero (bucket_map.keys_up_to_query)."""
+    read transposed; ``lower``: only ``j <= i`` can be nonzero (``AttentionSpec.keys_up_to_query``)."""
     block_d, block_i = (16, 16) if interpret() else (_BLOCK_D, _BLOCK_I)  # small tiles: the interpreter's time
     diagonals = max_seq_len if lower else 2 * max_seq_len - 1
     grid = (-(-diagonals // block_d), g.shape[0])  # plain arithmetic: SymInts too

@@ -421,11 +421,11 @@ def test_bucket_map_budget_and_dtype(monkeypatch):
     assert run(20, 0)[1]["HAS_TS"] == 1
     n_launch = len(calls)
     assert run(20, 1e9, n=46341)[1]["HAS_TS"] == 1 and len(calls) == n_launch  # 32-bit offsets in the readers
-    assert BM.keys_up_to_query(AttentionSpec(), None)
-    assert BM.keys_up_to_query(AttentionSpec(max_attn_len=4, min_full_attn_seq_len=2), None)
-    assert not BM.keys_up_to_query(AttentionSpec(contextual_seq_len=2), None)
-    assert not BM.keys_up_to_query(AttentionSpec(causal=False), None)
-    assert not BM.keys_up_to_query(AttentionSpec(), torch.zeros(1, 12, 3))
+    assert AttentionSpec().keys_up_to_query(False)
+    assert AttentionSpec(max_attn_len=4, min_full_attn_seq_len=2).keys_up_to_query(False)
+    assert not AttentionSpec(contextual_seq_len=2).keys_up_to_query(False)
+    assert not AttentionSpec(causal=False).keys_up_to_query(False)
+    assert not AttentionSpec().keys_up_to_query(True)
 
 
 def _dense_stamps(ts, lengths, n, seed, pad=None):
