@@ -10,8 +10,7 @@ adjacent queries), one program per (sequence, head, 64 keys), the causal half, i
 
 * ``fp32``: ``tl.atomic_add`` into the query-major plane ``G[b, i, j]`` (today's layout; one ``atom.f32`` per
   element);
-* ``fp32_v2``: ``red.global.add.v2.f32`` into a key-major plane ``G[b, j, i]`` (a thread's pair is adjacent),
-  through the dK/dV kernel's own ``attention_jit._red_pairs``;
+* ``fp32_v2``: ``red.global.add.v2.f32`` into a key-major plane ``G[b, j, i]`` (a thread's pair is adjacent);
 * ``bf16``: ``tl.atomic_add`` into a key-major bf16 plane (Triton 3.6 emits one ``atom.bf16`` per element);
 * ``bf16x2``: ``red.global.add.noftz.bf16x2`` into it (one add per pair).
 
@@ -29,24 +28,27 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from _common import write_csv
-from hstu_inductor.kernels.attention_jit import _red_pairs
 
 log = logging.getLogger("bias_grad_adds")
 
-# 16-bit pairs arrive packed in one 32-bit register
-_BF16X2 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.relaxed.gpu.global.add.noftz.bf16x2 [$2], $6; "
-                       "mov.b32 $0, 0; mov.b32 $1, 0; }")
+_RED = {
+    "fp32_v2": ("{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.relaxed.gpu.global.add.v2.f32 [$2], {$6, $7}; "
+                "mov.b32 $0, 0; mov.b32 $1, 0; }", "=r,=r,l,l,r,r,r,r"),
+    # 16-bit pairs arrive packed in one 32-bit register
+    "bf16x2": ("{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.relaxed.gpu.global.add.noftz.bf16x2 [$2], $6; "
+               "mov.b32 $0, 0; mov.b32 $1, 0; }", "=r,=r,l,l,r,r,r"),
+}
 
 
 @triton.jit
-def _adds(G, N, H: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _adds(G, N, H: tl.constexpr, MODE: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     n_kb = N // BLOCK_N
     b = pid // n_kb // H
     kb = pid % n_kb
     j = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     g_b = G + b.to(tl.int64) * N * N
-    hit = tl.zeros([BLOCK_N, BLOCK_M], tl.int32)
     for q0 in range(kb * BLOCK_N // BLOCK_M * BLOCK_M, N, BLOCK_M):
         i = q0 + tl.arange(0, BLOCK_M)
         # the tile from a dot: an MMA accumulator's layout, as dS^T in the dK/dV kernel
@@ -59,15 +61,11 @@ def _adds(G, N, H: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOC
             tl.atomic_add(g_b + (i[None, :] * N + j[:, None]), x, mask=ok, sem="relaxed")
         elif MODE == 1:
             tl.atomic_add(g_b + (j[:, None] * N + i[None, :]), x.to(tl.bfloat16), mask=ok, sem="relaxed")
-        elif MODE == 2:
-            ptrs = g_b + (j[:, None] * N + i[None, :])
-            hit |= _red_pairs(ptrs, x, pair_ok).to(tl.int32)
         else:
+            val = x if MODE == 2 else x.to(tl.bfloat16)
             ptr = (g_b + (j[:, None] * N + i[None, :])).to(tl.int64, bitcast=True)
-            tl.inline_asm_elementwise(_BF16X2, "=r,=r,l,l,r,r,r", [ptr, pair_ok.to(tl.int32), x.to(tl.bfloat16)],
-                                      dtype=tl.int32, is_pure=False, pack=2)
-    if MODE == 2:  # the pure asm's never-true results consumed by one store that never runs (dK/dV: a select)
-        tl.store(g_b, 0.0, mask=tl.max(hit) != 0)
+            tl.inline_asm_elementwise(ASM, CONSTRAINTS, [ptr, pair_ok.to(tl.int32), val], dtype=tl.int32,
+                                      is_pure=False, pack=2)
 
 
 def main():
@@ -84,7 +82,9 @@ def main():
     for name, mode, dtype in (("fp32", 0, torch.float32), ("fp32_v2", 2, torch.float32),
                               ("bf16", 1, torch.bfloat16), ("bf16x2", 3, torch.bfloat16)):
         g = torch.zeros(B, N, N, device="cuda", dtype=dtype)
-        step = lambda: _adds[grid](g, N, H, MODE=mode, BLOCK_M=64, BLOCK_N=64, num_warps=4)  # noqa: E731
+        asm, constraints = _RED.get(name, ("", ""))
+        step = lambda: _adds[grid](g, N, H, MODE=mode, ASM=asm, CONSTRAINTS=constraints,  # noqa: E731
+                                   BLOCK_M=64, BLOCK_N=64, num_warps=4)
         step()
         ms = do_bench(step, rep=200, return_mode="median")
         g.zero_()

@@ -543,13 +543,10 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
                      drab.stride(2), drab.stride(3))
         if _compat.size_hint(max_seq_len) > 46340:
             raise ValueError("hstu attention: rab gradients need max_seq_len <= 46340 (32-bit offsets)")
-    elif dense_tab:
-        # key-major [B, N(keys), N(queries)] with an even row stride: a thread's pair of adjacent queries is one
-        # 8-byte reduction (RAB_GRAD 3; the heads summed there), one writer per element with one head
-        row = max_seq_len + max_seq_len % 2
-        drab = torch.zeros((B, max_seq_len, row), device=q.device, dtype=torch.float32)
-        rab_mode = 1 if H == 1 else 3
-        g_strides = (drab.stride(0), 0, 1, row)
+    elif dense_tab:  # the heads summed by fp32 atomics (one writer per element with one head)
+        drab = torch.zeros((B, 1, max_seq_len, max_seq_len), device=q.device, dtype=torch.float32)
+        rab_mode = 1 if H == 1 else 2
+        g_strides = (drab.stride(0), 0, drab.stride(2), drab.stride(3))
     # table gradients: fp32 [copies, table] buffers reduced in the kernel, the copies summed here (a per-head
     # table: [copies, H, table], the kernel adds h times the table's length)
     copies = 1 if _interpret() else 32
@@ -635,7 +632,7 @@ def hstu_attention_bwd(dout, q, k, v, seq_offsets, max_seq_len, alpha, num_targe
     with _device_ctx(q.device):
         if use_tma:
             _ensure_allocator()
-        zero_extra = tuple(name for name, t in (("DRAB", drab if rab_mode in (2, 3) else None), ("DPOS", dpos),
+        zero_extra = tuple(name for name, t in (("DRAB", drab if rab_mode == 2 else None), ("DPOS", dpos),
                                                 ("DTS", dts)) if t is not None)
         _launch("dkdv", max_seq_len, B * H, max(bdq, bdv), args, dkdv_kw, atomic_dq=not split, zero_extra=zero_extra,
                 fp32=q.dtype == torch.float32)

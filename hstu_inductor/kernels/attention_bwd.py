@@ -64,8 +64,8 @@ def _bwd_dkdv_step(dk, dv, k, v, Q_src, DO_src, DQ_dst, S_base, stride_qm, strid
         ds16 = tl.where(ok, ds16, 0.0)
     if RAB_GRAD != 0:
         # bias gradients are dS_pre (per-row scales are already in dO; GB carries a scalar scale)
-        ds16 = _bias_grad(ds16, bk, GB, offs_m, offs_n, start_m, n, RAB_GRAD, False, HAS_POS, HAS_TS, BLOCK_M,
-                          ds16.shape[0])
+        _bias_grad(ds16, bk, GB, offs_m, offs_n, start_m, n, RAB_GRAD, False, HAS_POS, HAS_TS, BLOCK_M,
+                   ds16.shape[0])
     dv = tl.dot(p16, do, dv, input_precision=PREC)
     dk = tl.dot(ds16, q, dk, input_precision=PREC)
     if TAB_GRAD:  # after the dots: fewer values live across the reductions (spills 3.0 -> 2.8 KB, sm90)

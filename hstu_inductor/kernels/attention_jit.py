@@ -471,42 +471,13 @@ def _pre_silu(s, alpha, RB, rows, cols, i0, j0, n, HAS_RAB: tl.constexpr, HAS_PO
         return s, alpha, 0
 
 
-# One 8-byte fp32 reduction for a thread's pair of elements when they are adjacent and aligned (an MMA
-# accumulator holds pairs of adjacent columns: adjacent queries in a key-major buffer), else one per element.
-# Per pair: $2/$3 the addresses, $4/$5 inside (nonzero), $6/$7 the values; outputs $0/$1 are 0.
-_RED_PAIR: tl.constexpr = tl.constexpr(
-    "{ .reg .pred p, r, q, s; .reg .b64 t; "
-    "setp.ne.b32 p, $4, 0; setp.ne.b32 r, $5, 0; "
-    "sub.s64 t, $3, $2; setp.eq.s64 q, t, 4; and.b64 t, $2, 7; setp.eq.and.s64 q, t, 0, q; "
-    "and.pred s, p, q; @s red.relaxed.gpu.global.add.v2.f32 [$2], {$6, $7}; "
-    "not.pred q, s; and.pred p, p, q; and.pred r, r, q; "
-    "@p red.relaxed.gpu.global.add.f32 [$2], $6; @r red.relaxed.gpu.global.add.f32 [$3], $7; "
-    "mov.b32 $0, 0; mov.b32 $1, 0; }")
-
-
-@triton.jit
-def _red_pairs(ptrs, g, inside):
-    """``ptrs[k] += g[k]`` where ``inside``, two adjacent elements per ``red.v2`` (2.3x per-element atomics on
-    the H200: benchmarks/bias_grad_adds.py). Returns a tile that is never true (the asm's outputs are 0).
-
-    The asm is pure, so the caller must consume that tile (a pure asm whose result is unused is deleted): torch's
-    mutation analysis gives up on an impure one and then counts every input as written (compiled training
-    fails on leaf tables); the caller also declares the buffer written with a store that never runs."""
-    res = tl.inline_asm_elementwise(_RED_PAIR, "=r,=r,l,l,r,r,r,r",
-                                    [ptrs.to(tl.int64, bitcast=True), inside.to(tl.int32), g],
-                                    dtype=tl.int32, is_pure=True, pack=2)
-    return res != 0
-
-
 @triton.jit
 def _bias_grad(ds, bk, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, TAB_GRAD: tl.constexpr,
                HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Bias gradients from one transposed dS tile ``ds[j, i]`` (keys ``offs_n`` x queries ``offs_m``, zero
-    where invalid); returns ``ds`` (the dK product must take it: RAB_GRAD 3's reductions hang on it). RAB_GRAD
-    1: store d rab (each element has one writer); 2: fp32 atomics into a buffer of rab's broadcast shape
-    (strides 0 on broadcast dims); 3: as 2 into a key-major buffer (``stride_gi`` 1, an even ``stride_gj``), a
-    pair of adjacent queries per reduction (:func:`_red_pairs`). TAB_GRAD: into this program's copy of each
-    table gradient, d pos_w by diagonal sums, d ts_w by per-row sums per bucket: never an atomic per element.
+    where invalid). RAB_GRAD 1: store d rab (each element has one writer); 2: fp32 atomics into a buffer
+    of rab's broadcast shape (strides 0 on broadcast dims). TAB_GRAD: into this program's copy of each table
+    gradient, d pos_w by diagonal sums, d ts_w by per-row sums per bucket: never an atomic per score element.
 
     Mutation analysis (torch's triton_kernel_wrap, what AOTAutograd functionalizes by): a write address is traced
     back through every op but a load, and through a helper call to every pointer the helper received. So N comes
@@ -523,10 +494,6 @@ def _bias_grad(ds, bk, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, T
         inside = (offs_m[None, :] < n) & (offs_n[:, None] < n)
         if RAB_GRAD == 1:
             tl.store(ptrs, g.to(DRAB_b.dtype.element_ty), mask=inside)
-        elif RAB_GRAD == 3 and not _INTERPRET:
-            # consumed by dS (a select that never picks 0); the buffer declared written, one store per tile
-            ds = tl.where(_red_pairs(ptrs, g, inside), tl.zeros_like(ds), ds)
-            tl.store(DRAB_b, 0.0, mask=n < 0)
         else:
             tl.atomic_add(ptrs, g, mask=inside, sem="relaxed")
     if TAB_GRAD:
@@ -552,7 +519,6 @@ def _bias_grad(ds, bk, GB, offs_m, offs_n, start_m, n, RAB_GRAD: tl.constexpr, T
             for d in range(0, span + 1):
                 rs = tl.sum(tl.where(bk == (b0 + d)[:, None], g, 0.0), axis=1)
                 tl.atomic_add(DTS + (slot0 + d), rs, mask=rs != 0.0, sem="relaxed")
-    return ds
 
 
 @triton.jit

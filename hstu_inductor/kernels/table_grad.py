@@ -3,12 +3,11 @@
 Reduced inside the dK/dV kernel (``TAB_GRAD``), every head's program evaluates the per-diagonal and per-bucket
 sums of each score tile between its matrix products, and that work is serial with them. For tables shared by
 the heads, within ``config.table_grad_mb``, the dK/dV kernel instead adds the bias gradient into one fp32
-plane ``G[b, j, i]``, key-major (``RAB_GRAD = 3``: the heads summed, a pair of adjacent queries per 8-byte
-reduction), and :func:`_table_grad_kernel` reduces it in one pass over ``G`` and the bucket map, the map
-transposed to the same key-major order (docs/kernels.md, "Table bias").
+``G[b, i, j]`` (the ``RAB_GRAD = 2`` atomics of a ``[B, 1, N, N]`` rab, the heads summed), and
+:func:`_table_grad_kernel` reduces it in one pass over ``G`` and the bucket map (docs/kernels.md, "Table bias").
 
-The pass walks ``G`` along its diagonals: a tile holds key rows ``j`` x diagonals ``d = i - j``, so the position
-sums are column sums of the tile, while its loads stay contiguous (``i`` grows along the tile's fast axis).
+The pass walks ``G`` along its diagonals: a tile holds rows ``i`` x diagonals ``d = i - j``, so the position
+sums are column sums of the tile, while its loads stay contiguous (``j`` grows along the tile's fast axis).
 The time sums loop over the buckets present in the tile into a register vector of per-bucket sums, added once
 per program. Near the diagonal a tile holds tens of buckets (a gap of a few time steps is as spread as one
 step); there each element is added on its own into a row of d ts_w that belongs to the program, so the adds
@@ -33,22 +32,22 @@ _SPAN = 8  # buckets in a tile from which each element is added on its own (its 
 
 
 @triton.jit
-def _table_grad_kernel(G, MAPT, SEQ_OFFSETS, DPOS, DTS, ROWS, MAX_N, stride_g, NB, COPIES, stride_pc, stride_tc,
+def _table_grad_kernel(G, MAP, SEQ_OFFSETS, DPOS, DTS, ROWS, MAX_N, NB, COPIES, stride_pc, stride_tc,
                        HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, LOWER: tl.constexpr, NBP: tl.constexpr,
                        SPAN: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr):
     d_blk = tl.program_id(0)
     b = tl.program_id(1)
     start, n = _seq_bounds(SEQ_OFFSETS, b, ROWS, MAX_N)
-    # the tile's diagonals d = i - j: i = j + d grows along the tile's axis 1
+    # the tile's diagonals d = i - j, the largest first: j = i - d grows along the tile's axis 1
     d_lo = d_blk * BLOCK_D
     if not LOWER:
         d_lo -= MAX_N - 1
     d_hi = d_lo + BLOCK_D - 1
     if (d_lo >= n) | (d_hi <= -n):
         return
-    d = d_lo + tl.arange(0, BLOCK_D)
-    g_b = G + b.to(tl.int64) * MAX_N * stride_g
-    map_b = MAPT + b.to(tl.int64) * MAX_N * MAX_N
+    d = d_hi - tl.arange(0, BLOCK_D)
+    g_b = G + b.to(tl.int64) * MAX_N * MAX_N
+    map_b = MAP + b.to(tl.int64) * MAX_N * MAX_N
     slot = (d_blk + b) % COPIES  # copies of the table gradients spread the atomics (summed on the host)
     if NBP > 0:  # d ts_w: a row of its own per program ([programs, NB + 1], summed on the host)
         DTS_s = DTS + (b * tl.num_programs(0) + d_blk).to(tl.int64) * (NB + 1)
@@ -57,17 +56,17 @@ def _table_grad_kernel(G, MAPT, SEQ_OFFSETS, DPOS, DTS, ROWS, MAX_N, stride_g, N
     pos_acc = tl.zeros([BLOCK_I, BLOCK_D], dtype=tl.float32)
     buckets = tl.arange(0, NBP if NBP > 0 else 1)
     ts_acc = tl.zeros([NBP if NBP > 0 else 1], dtype=tl.float32)
-    for j0 in range(tl.maximum(-d_hi, 0), tl.minimum(n, n - d_lo), BLOCK_I):
-        j = j0 + tl.arange(0, BLOCK_I)
-        i = j[:, None] + d[None, :]
-        ok = (j[:, None] < n) & (i >= 0) & (i < n)
-        # 32-bit within one sequence's plane: N^2 < 2^31 (the caller checks)
-        x = tl.load(g_b + (j[:, None] * stride_g + i), mask=ok, other=0.0)
+    for i0 in range(tl.maximum(d_lo, 0), tl.minimum(n, n + d_hi), BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        j = i[:, None] - d[None, :]
+        ok = (i[:, None] < n) & (j >= 0) & (j < n)
+        off = i[:, None] * MAX_N + j  # 32-bit within one sequence's plane: N^2 < 2^31 (the caller checks)
+        x = tl.load(g_b + off, mask=ok, other=0.0)
         if HAS_POS:
             pos_acc += x
         if HAS_TS:
             # the map holds buckets 0..NB where the attention reads; elsewhere x is 0 and the bucket unused
-            bk = tl.minimum(tl.load(map_b + (j[:, None] * MAX_N + i), mask=ok, other=0).to(tl.int32), NB)
+            bk = tl.minimum(tl.load(map_b + off, mask=ok, other=0).to(tl.int32), NB)
             nz = x != 0.0
             k0 = tl.min(tl.where(nz, bk, 1 << 30))
             k1 = tl.max(tl.where(nz, bk, -1))
@@ -114,10 +113,10 @@ def use_dense_grad(tab_flags: dict, map_ts: int, batch: int, max_seq_len) -> boo
 
 def reduce_table_grads(g: torch.Tensor, bmap, seq_offsets, rows: int, max_seq_len, lower: bool, dpos, dts,
                        num_buckets) -> None:
-    """Adds the table gradients of the dense bias gradient ``g`` (fp32 ``[B, N, R]``, ``g[b, j, i]`` the gradient
-    of query i's bias on key j, row stride R >= N) into ``dpos`` / ``dts`` (``[copies, table]`` fp32; None for an
-    absent table). ``bmap``: the call's ``[B, N, N]`` bucket map ``[b, i, j]`` (None without a time table),
-    read transposed; ``lower``: only ``j <= i`` can be nonzero (``AttentionSpec.keys_up_to_query``)."""
+    """Adds the table gradients of the dense bias gradient ``g`` (fp32 ``[B, 1, N, N]``, contiguous) into
+    ``dpos`` / ``dts`` (``[copies, table]`` fp32; None for an absent table). ``bmap``: the call's ``[B, N, N]``
+    bucket map (None without a time table); ``lower``: only ``j <= i`` can be nonzero
+    (AttentionSpec.keys_up_to_query)."""
     block_d, block_i = (16, 16) if interpret() else (_BLOCK_D, _BLOCK_I)  # small tiles: the interpreter's time
     diagonals = max_seq_len if lower else 2 * max_seq_len - 1
     grid = (-(-diagonals // block_d), g.shape[0])  # plain arithmetic: SymInts too
@@ -126,10 +125,8 @@ def reduce_table_grads(g: torch.Tensor, bmap, seq_offsets, rows: int, max_seq_le
     if nbp:  # one d ts_w row per program (a few MiB): no two programs add into one address
         ts_rows = torch.zeros((grid[0] * grid[1], num_buckets + 1), device=g.device, dtype=torch.float32)
     spare = dpos if dpos is not None else ts_rows
-    # key-major like g, so that both loads of a tile run along i (one transposing copy, B * N^2 bytes)
-    bmap_t = bmap.transpose(1, 2).contiguous() if bmap is not None else g
-    args = (g, bmap_t, seq_offsets, dpos if dpos is not None else spare,
-            ts_rows if ts_rows is not None else spare, rows, max_seq_len, g.stride(1), num_buckets,
+    args = (g, bmap if bmap is not None else g, seq_offsets, dpos if dpos is not None else spare,
+            ts_rows if ts_rows is not None else spare, rows, max_seq_len, num_buckets,
             dpos.shape[0] if dpos is not None else 1, dpos.stride(0) if dpos is not None else 0,
             dts.stride(0) if dts is not None else 0)
     launcher(_table_grad_kernel, args)[grid](

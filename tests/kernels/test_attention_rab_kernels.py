@@ -310,7 +310,7 @@ def test_table_grads_through_dense_buffer(case, poison, monkeypatch):
     monkeypatch.setattr(table_grad, "reduce_table_grads", lambda g, *a: (reduced.append(g.shape), real(g, *a)))
     tkw = dict(timestamps=ts if ts_w is not None else None, pos_w=pos_w, ts_w=ts_w)
     _check(q, k, v, dout, off, N, 0.25, tables=(ts, pos_w, ts_w), deterministic=False, **kw)
-    assert reduced == ([] if "H" in which else [(len(LENGTHS), N, N)])  # key-major, even row stride
+    assert reduced == ([] if "H" in which else [(len(LENGTHS), 1, N, N)])
     dense = {}
     for span in (0, 10 ** 6):  # d ts_w element by element into the program's row / by per-bucket sums, every tile
         monkeypatch.setattr(table_grad, "_SPAN", span)
@@ -323,31 +323,8 @@ def test_table_grads_through_dense_buffer(case, poison, monkeypatch):
             assert (a is None) == (b is None) and (a is None or rel_err(a, b) < 1e-5)
 
 
-def test_table_grads_dense_buffer_odd_n(monkeypatch):
-    """An odd N: the key-major buffer's rows are padded to an even stride (8-byte pairs on the GPU), and every
-    gradient equals autograd through the fp64 reference, and the in-kernel sums."""
-    from hstu_inductor.kernels import table_grad
-
-    n, lengths, H = 31, [13, 0, 31, 6], 3
-    q, k, v, dout, off = _batch(lengths, H, 16, torch.float32, seed=31)
-    ts, pos_w, ts_w = _tables(lengths, n, 20, torch.int64, "pos+ts", seed=32)
-    reduced = []
-    real = table_grad.reduce_table_grads
-    monkeypatch.setattr(table_grad, "reduce_table_grads",
-                        lambda g, *a: (reduced.append((tuple(g.shape), g.stride(1))), real(g, *a)))
-    nt = torch.tensor([2, 0, 5, 1], device=DEV)
-    _check(q, k, v, dout, off, n, 0.25, tables=(ts, pos_w, ts_w), deterministic=False, num_targets=nt)
-    assert reduced == [((len(lengths), n, n + 1), n + 1)]
-    tkw = dict(timestamps=ts, pos_w=pos_w, ts_w=ts_w, num_targets=nt)
-    dense = K.hstu_attention_bwd(dout, q, k, v, off, n, 0.25, table_grad=True, **tkw)
-    monkeypatch.setattr(config, "table_grad_mb", 0)
-    in_kernel = K.hstu_attention_bwd(dout, q, k, v, off, n, 0.25, table_grad=True, **tkw)
-    for a, b in zip(dense, in_kernel):
-        assert rel_err(a, b) < 1e-5
-
-
 def test_table_grad_buffer_budget(monkeypatch):
-    """The dense table-gradient buffer ([B, N, N] fp32, key-major) is used within ``config.table_grad_mb`` only, for
+    """The dense table-gradient buffer ([B, 1, N, N] fp32) is used within ``config.table_grad_mb`` only, for
     tables shared by the heads, with a time table only when its bucket map is there."""
     from hstu_inductor.kernels import table_grad as TG
 
