@@ -330,7 +330,11 @@ def compile_provider(module, ms: ModelSpec, prov: str, mode: str, dynamic: bool)
         return torch.compile(module, backend=meta, dynamic=dynamic), meta
     if prov == "inductor":
         return torch.compile(module, mode=inductor_mode, dynamic=dynamic), None
-    return torch.compile(module, backend="hstu", mode=inductor_mode, dynamic=dynamic), None
+    if prov == "hstu":
+        return torch.compile(module, backend="hstu", mode=inductor_mode, dynamic=dynamic), None
+    # a backend object of its own: Dynamo reuses a cache entry compiled by the same backend object, so the
+    # partial providers, compiled beside "hstu" under other patterns, would otherwise run its graph
+    return torch.compile(module, backend=_inner_backend(prov, inductor_mode, dynamic), dynamic=dynamic), None
 
 
 def provider_patch(prov: str):

@@ -30,6 +30,7 @@ which Dynamo steers a compile (a restart of the frame's analysis, a skipped fram
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 
@@ -200,8 +201,20 @@ def _rewritten(gm: torch.fx.GraphModule, module_state: dict | None = None) -> to
     rewritten = rewrite_dynamo_graph(gm, module_state)
     if rewritten is None:
         return gm
+    _keep_dynamo_inputs(gm, rewritten)
     log.debug("hstu_inductor: rewritten graph\n%s", rewritten.code)
     return rewritten
+
+
+def _keep_dynamo_inputs(gm: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> None:
+    """Give the ATen retrace the Dynamo input metadata of ``gm``: without it AOTAutograd does not
+    recognise a Dynamo graph and marks no input static, so CUDA graphs copy every parameter into its
+    static buffer on each replay (six more copies than stock Inductor per STU layer). Skipped when the
+    retrace holds buffers of its own (a table rewrite's bucket bounds), which have no Dynamo source."""
+    own = [name for name, _ in itertools.chain(rewritten.named_parameters(), rewritten.named_buffers())]
+    known = getattr(gm, "_param_name_to_source", None) or {}
+    if any(name not in known for name in own) or not _compat.carry_dynamo_placeholder_meta(gm, rewritten):
+        log.debug("hstu_inductor: rewritten graph keeps no Dynamo input metadata (inputs changed, or own buffers)")
 
 
 _state = threading.local()
