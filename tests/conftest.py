@@ -203,6 +203,7 @@ HEAVY = (
 # runs every other case of each, in collection order from the first; the rest are marked ``slow`` and run
 # with `make test-all`. Cases already marked ``slow`` by their file are left out of the count.
 HALVED = (
+    "tests/test_static_inputs.py::test_parameters_stay_static_inputs",
     "tests/distributed/test_ddp_fsdp.py::test_fsdp2_every_block_rewritten_and_grads_equal",
     "tests/kernels/test_attention_kernels.py::test_block_shapes_and_skipping_bounds",
     "tests/kernels/test_attention_kernels.py::test_bwd_features_fp32",

@@ -19,7 +19,9 @@ is the scatter of the padded gradient's in-sequence rows, as eager NJT's. Outsid
 contract (a sequence longer than ``N``, or ``offsets[-1] < L``) the forward still agrees; eager
 NJT's backward raises there, while this one gives the gradient of the truncating forward.
 The other ``output_size`` entries are ignored by NJT; we still require them to be ``B`` and the
-feature sizes (provably, without guards) and leave anything unusual alone.
+feature sizes (provably, without guards) and leave anything unusual alone. Without ``output_size`` NJT pads
+to its cached max seqlen (``nested_tensor_from_jagged(..., max_seqlen=N)``) or else to ``L``, the traced
+output's width either way: taken when that width is a plain int.
 
 The canonicalised graph is a copy: when no rewriter fires afterwards, the pipeline hands the
 original graph to stock Inductor, exactly as before.
@@ -112,10 +114,17 @@ def _match(node):
     # A padding that is a graph value (SymFloat) or a bool is left alone.
     if isinstance(padding, bool) or not isinstance(padding, numbers.Real):
         return None
-    # No output_size: NJT pads to its own length (L, or a cached max seqlen), not a model constant.
+    vv, ov = _val(values), _val(offsets)
+    if size is None:
+        # NJT pads to its cached max seqlen (``max_seqlen=`` at construction) or else to L: the width of
+        # the traced output either way. Taken when it is a plain int (a symbolic one has no node to read).
+        out = _val(node)
+        width = out.shape[1] if isinstance(out, torch.Tensor) and out.dim() == vv.dim() + 1 else None
+        if not isinstance(width, int) or isinstance(width, bool):
+            return None
+        size = [ov.shape[0] - 1, width, *vv.shape[1:]]
     if not isinstance(size, (list, tuple)):
         return None
-    vv, ov = _val(values), _val(offsets)
     if len(size) != vv.dim() + 1:
         return None
     n = size[1]

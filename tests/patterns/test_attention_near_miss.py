@@ -43,24 +43,30 @@ def test_near_miss_not_rewritten(name, fresh_dynamo):
 
 
 def _nested_no_output_size(q, k, v, offsets, nt=None, s=None):
-    """``nested_padded`` with ``to_padded_tensor(0.0)``: no output_size, so NJT picks the padded
-    length itself (not a model constant); the canonicalisation leaves these pads alone."""
+    """``nested_padded`` with ``to_padded_tensor(0.0)``: no output_size, so NJT pads to its own length (L
+    here, no max seqlen cached). A static L is the traced width, and the pad is canonicalised like one with
+    that output_size; a symbolic one (``dynamic=True``) has no node to read, and the pads are left alone."""
     pads = [torch.nested.nested_tensor_from_jagged(t, offsets).to_padded_tensor(0.0) for t in (q, k, v)]
     n = pads[0].shape[1]
     p = torch.tril(torch.nn.functional.silu(sp.ALPHA * torch.einsum("bnhd,bmhd->bhnm", pads[0], pads[1]))) / n
     return sp._unpad_index(torch.einsum("bhnm,bmhd->bnhd", p, pads[2]), offsets, q.shape[0])
 
 
-def test_nested_training_left_alone(fresh_dynamo):
-    """A nested tensor that stays in the graph (pad without output_size) loses autograd in the
-    ATen retrace (a detach appears): in training the graph is not retraced, gradients stay eager's."""
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static_width", "symbolic_width"])
+def test_nested_training_without_output_size(dynamic, fresh_dynamo):
+    """A nested tensor that stays in the graph (its pad width symbolic) loses autograd in the ATen
+    retrace (a detach appears): in training the graph is not retraced. With a static width the pad is
+    canonicalised and the attention rewritten. Gradients are eager's either way."""
     args = make_inputs(LENGTHS, requires_grad=True, seed=4)
     args_e = make_inputs(LENGTHS, requires_grad=True, seed=4)
-    compiled = torch.compile(_nested_no_output_size, backend=REWRITE_BACKEND)
+    compiled = torch.compile(_nested_no_output_size, backend=REWRITE_BACKEND, dynamic=dynamic)
     with collecting() as report:
         out = compiled(*args)
-    assert report.counts["attention"] == 0
-    assert any(kind == "graph" and "detach" in r for kind, r in report.near_misses), report
+    if dynamic:
+        assert report.counts["attention"] == 0
+        assert any(kind == "graph" and "detach" in r for kind, r in report.near_misses), report
+    else:
+        assert report.counts["attention"] == 1, report
     ref = _nested_no_output_size(*args_e)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     g = torch.randn_like(ref)

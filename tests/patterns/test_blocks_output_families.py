@@ -67,6 +67,10 @@ class Family(nn.Module):
                 y = torch.cat([u32, a32, y], dim=1)
             y = F.dropout(y, p=0.0, training=self.training).to(dt)
             return torch.addmm(x, y, self.w.to(dt)).to(dt)
+        if k in ("dropout_after_projection", "dropout_after_projection_train"):
+            drop = F.dropout(F.linear(u * self._ln(attn), self.w.t(), self.b), p=0.1,
+                             training=k.endswith("_train"))
+            return x + drop
         if k == "addmm_scaled":
             return torch.addmm(x, u * self._ln(attn), self.w, beta=0.5)
         if k == "gn_transposed":  # groups of strided elements: not contiguous channel groups
@@ -108,6 +112,10 @@ class TestOutputFamilies(TestCase):
             with self.subTest(kind):
                 check_compiled(_family(kind), *_inputs(), train=True, counts={"output": 1})
 
+    def test_eval_dropout_after_the_projection(self):
+        """``x + dropout(out(y))`` in eval mode: the dropout is the identity, the residual adds the projection."""
+        check_compiled(_family("dropout_after_projection"), *_inputs(), train=False, counts={"output": 1})
+
     def test_fp32_region_cast_down_before_the_projection(self):
         ins = _inputs(dtype=torch.bfloat16)
         _, report = rewritten(_family("fp32_concat", torch.bfloat16), *ins)
@@ -131,6 +139,13 @@ class TestOutputFamilyNearMisses(TestCase):
     def test_group_norm_on_a_transposed_view(self):
         assert_near_miss(_family("gn_transposed"), *_inputs(), kind="output",
                          contains="group norm on a view is not")
+
+    def test_training_dropout_after_the_projection(self):
+        """Random, so not compared with eager: only the decision and its reason."""
+        _, report = rewritten(_family("dropout_after_projection_train"), *_inputs())
+        self.assertEqual(report.counts["output"], 0, str(report))
+        self.assertTrue(any("training dropout after the projection" in r for k, r in report.near_misses
+                            if k == "output"), report.near_misses)
 
     def test_fp32_region_with_u_scaled(self):
         assert_near_miss(_family("fp32_u_scaled", torch.bfloat16), *_inputs(dtype=torch.bfloat16), kind="output",

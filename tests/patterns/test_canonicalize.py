@@ -1,5 +1,5 @@
 """The Dynamo-graph canonicalisation (patterns/canonicalize.py): nested-tensor pads with an
-output_size become ``reference.jagged_to_padded``, exactly (values and gradients); anything else
+output_size (or a static traced width) become ``reference.jagged_to_padded``, exactly (values and gradients); anything else
 that touches a nested tensor is left as the user wrote it."""
 from __future__ import annotations
 
@@ -118,8 +118,24 @@ def test_symbolic_batch_replaced():
     assert _targets(canonicalize(gm)).count(jagged_to_padded) == 3
 
 
-def _no_output_size(q, offsets):
-    return torch.nested.nested_tensor_from_jagged(q, offsets).to_padded_tensor(0.0)
+def _cached_max_seqlen(q, offsets):
+    """No output_size: NJT pads to the max seqlen given at construction (8), the traced output's width."""
+    return torch.nested.nested_tensor_from_jagged(q, offsets, max_seqlen=8).to_padded_tensor(0.0)
+
+
+def test_pad_to_cached_max_seqlen_replaced_exactly_with_grads():
+    q = torch.randn(17, 2, 4, requires_grad=True)
+    offsets = _offsets([5, 0, 8, 1, 3])
+    gm, inputs = _dynamo_graph(_cached_max_seqlen, q, offsets)
+    canon = canonicalize(gm)
+    assert _targets(canon).count(jagged_to_padded) == 1, canon.graph
+    q2 = torch.randn(17, 2, 4, requires_grad=True)
+    q3 = q2.detach().clone().requires_grad_(True)
+    (got,) = canon(*[q2 if a is q else a for a in inputs])
+    want = _cached_max_seqlen(q3, offsets)
+    assert got.shape == (5, 8, 2, 4) and torch.equal(got, want)
+    grad = torch.randn_like(want)
+    assert torch.equal(torch.autograd.grad(got, q2, grad)[0], torch.autograd.grad(want, q3, grad)[0])
 
 
 def _wrong_batch(q, offsets):
@@ -141,7 +157,7 @@ def _integer_values(q, offsets):
     return nt.to_padded_tensor(0, output_size=(5, 8, 2, 4))
 
 
-@pytest.mark.parametrize("fn", [_no_output_size, _wrong_batch, _wrong_features, _ragged_dim_2, _integer_values])
+@pytest.mark.parametrize("fn", [_wrong_batch, _wrong_features, _ragged_dim_2, _integer_values])
 def test_other_nested_uses_left_alone(fn):
     q = torch.randn(17, 2, 4)
     offsets = _offsets([5, 0, 8, 1, 3])

@@ -138,6 +138,26 @@ class BufferPositions(_Layer):
         return torch.einsum("bhnm,bmhd->bnhd", p, pad(v))[seg, at].reshape(L, H * D)
 
 
+class MaskAssigned(_Layer):
+    """Padded by boolean-mask assignment ``dense[valid] = t`` and unpadded by a flat mask over the
+    ``[B * N]`` rows (``dense.reshape(B * N, -1)[valid.flatten()]``). Near miss: the unpad's mask built from
+    the lengths rolled by one sequence (as many rows, the wrong ones)."""
+
+    def attend(self, q, k, v, offsets):
+        B = offsets.numel() - 1
+        lengths = offsets[1:] - offsets[:-1]
+        valid = torch.arange(N)[None, :] < lengths[:, None]
+        keep = valid if self.variant != "shifted" else torch.arange(N)[None, :] < lengths.roll(1)[:, None]
+
+        def pad(t):
+            dense = t.new_zeros(B, N, H * D)
+            dense[valid] = t
+            return dense.view(B, N, H, D)
+        p = F.silu(torch.einsum("bnhd,bmhd->bhnm", pad(q), pad(k)) / D ** 0.5) * torch.ones(N, N).tril() / N
+        out = torch.einsum("bhnm,bmhd->bnhd", p, pad(v)).reshape(B * N, H * D)
+        return out[keep.flatten()]
+
+
 def _inputs(seed=0, requires_grad=True):
     g = torch.Generator().manual_seed(seed)
     offsets = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist())
@@ -162,7 +182,7 @@ def _check(model, dynamic, attention):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("cls,heads", [(Reassociated, 1), (BufferMask, 1), (HeadLoop, H), (Packed, 1),
-                                       (BufferPositions, 1)])
+                                       (BufferPositions, 1), (MaskAssigned, 1)])
 def test_rewritten_by_meaning(cls, heads, dynamic):
     _check(cls(), dynamic, heads)
 
@@ -173,7 +193,8 @@ def test_packed_window():
 
 
 @pytest.mark.parametrize("cls,variant", [(Reassociated, "off_by_one"), (HeadLoop, "off_by_one"),
-                                         (Packed, "cross_sequence"), (BufferPositions, "clamped")])
+                                         (Packed, "cross_sequence"), (BufferPositions, "clamped"),
+                                         (MaskAssigned, "shifted")])
 def test_near_misses_by_meaning(cls, variant):
     """Declined (the pad reads the next row; the mask lets a row see the next one; rows see other
     sequences), and still equal to eager."""

@@ -152,8 +152,9 @@ def _rewrite_output_at(gm: GraphModule, add: Node, report: RewriteReport, seen=N
         xv, pv = _tval(x), _tval(p)
         if xv is None or pv is None or pv.dim() != 2 or not _shape_is(xv, *pv.shape):
             continue  # not a residual add of two [L, E] tensors
+        inner = _after_projection(p)
         try:
-            proj = _match_projection(p)
+            proj = _match_projection(inner)
         except Decline:
             proj = None
         if proj is None or not isinstance(proj.inp, Node):
@@ -161,6 +162,24 @@ def _rewrite_output_at(gm: GraphModule, add: Node, report: RewriteReport, seen=N
         if _rewrite_output_with(graph, add, x, p, proj, report, seen):
             return True
     return False
+
+
+def _after_projection(p: Node) -> Node:
+    """The projection under identity wrappers of its output (``x + dropout(out(y))`` in eval, or with
+    ``p=0``): the residual adds its values unchanged. A training dropout there is not the op's (the op
+    drops ``y`` before the projection, an output dropout would need its own mask): declined."""
+    while True:
+        src = _getitem_of(p, 0)
+        if _is(src, aten.native_dropout.default):
+            proj = _quiet(_match_projection, src.args[0])
+            if proj is not None and isinstance(proj.inp, Node) and _norm_nearby(proj.inp):
+                raise Decline(f"{_name(src)}: training dropout after the projection (the op's dropout is on "
+                              "u*Norm(attn), before it)")
+            return p
+        inner = _quiet(_y_identity, p)
+        if not isinstance(inner, Node) or len(inner.users) != 1:
+            return p
+        p = inner
 
 
 def _norm_factor(f: Node, fp32_region: bool) -> Optional[NormMatch]:

@@ -366,12 +366,12 @@ def _known_true(E, c) -> bool:
     return False
 
 
-def masked_rank(E, mask, shape, idx):
+def masked_rank(E, mask, shape, idx, what="masked_scatter"):
     """Row-major rank of ``idx`` among the true elements of ``mask`` broadcast to ``shape``, for the
     padding mask ``x1 < n(x0)`` (over dims 0, 1, broadcast along the rest)."""
     mshape = E.shape(mask)
     if len(shape) < 2:
-        raise Unsupported("masked_scatter with a 1-D mask")
+        raise Unsupported(f"{what} with a 1-D mask")
     b = E.dom.sequence("mb")
     p = E.dom.coord("mp", shape[1])
     rest = tuple(E.dom.coord("mr", s) for s in shape[2:])
@@ -379,7 +379,7 @@ def masked_rank(E, mask, shape, idx):
     m = E.at(mask, tuple(sympy.Integer(0) if s == 1 else x for s, x in zip(mshape, full[len(full) - len(mshape):])))
     ok, _ = equal(E.dom, boolean(m), sympy.Lt(p, E.dom.length(b)))
     if not ok:
-        raise Unsupported(f"masked_scatter with a mask other than the padding mask ({m})")
+        raise Unsupported(f"{what} with a mask other than the padding mask ({m})")
     T = sympy.Mul(*shape[2:]) if len(shape) > 2 else sympy.Integer(1)
     return sympy.expand(off(idx[0]) * T + idx[1] * T + linear(idx[2:], shape[2:]))
 
@@ -400,18 +400,26 @@ def bool_index(E, n, idx):
         raise Unsupported("boolean index with other indices")
     mask = indices[0]
     mshape = E.shape(mask)
-    if len(mshape) != 2:
-        raise Unsupported("boolean index over other than two dims")
+    if len(mshape) not in (1, 2):
+        raise Unsupported("boolean index over other than two dims, or their flattening")
     b = E.dom.sequence("ib")
-    p = E.dom.coord("ip", mshape[1])
-    m = E.at(E.src(n, mask), (b, p))
+    if len(mshape) == 2:
+        p = E.dom.coord("ip", mshape[1])
+        at = lambda b, p: (b, p)  # noqa: E731
+    else:  # dense [B*W, ...] and its mask flattened alike: element b*W + p is (b, p)
+        width = sympy.simplify(sympy.sympify(mshape[0]) / E.dom.B)
+        if not (width.is_integer or (width.is_Symbol and width.is_positive)):
+            raise Unsupported(f"flat boolean index over {mshape[0]} elements: not B rows of one width")
+        p = E.dom.coord("ip", width)
+        at = lambda b, p: (b * width + p,)  # noqa: E731
+    m = E.at(E.src(n, mask), at(b, p))
     ok, _ = equal(E.dom, boolean(m), sympy.Lt(p, E.dom.length(b)))
     if not ok:
         raise Unsupported(f"boolean index with a mask other than the padding mask ({m})")
     row = E.dom.guarded_row(idx[0])
     if row is None:
         raise Unsupported("boolean-mask unpad read at something other than a jagged row")
-    return _guard(E, row[2], E.at(E.src(n, a), (row[0], row[1]) + tuple(idx[1:])), "unpad")
+    return _guard(E, row[2], E.at(E.src(n, a), at(row[0], row[1]) + tuple(idx[1:])), "unpad")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,7 +531,7 @@ def _index_put(E, n, idx):
     indices = list(indices) + [None] * (len(shape) - len(indices))
     adv = [k for k, t in enumerate(indices) if t is not None]
     if any(_dtype(indices[k]) in (torch.bool, torch.uint8) for k in adv):
-        raise Unsupported("index_put with a boolean mask")
+        return _bool_index_put(E, n, idx, base, indices, adv, values, accumulate)
     if adv != list(range(adv[0], adv[-1] + 1)):
         raise Unsupported("index_put with non-adjacent index tensors")
     ishape = _broadcast_shape([E.shape(indices[k]) for k in adv])
@@ -542,6 +550,18 @@ def _index_put(E, n, idx):
     v = E.at(E.src(n, values), _bcast_to(full, vshape))
     _ = rest_out
     return _scatter_value(E, n, idx, base, [(cond, v)], accumulate)
+
+
+def _bool_index_put(E, n, idx, base, indices, adv, values, accumulate):
+    """``dense[mask] = values`` for the padding mask over the two leading dims (a pad): the true elements,
+    in row-major order, take the rows of ``values``, so ``dense[b, p]`` gets row ``off(b) + p``."""
+    if adv != [0] or len(E.shape(indices[0])) != 2:
+        raise Unsupported("index_put with a boolean mask other than one over the two leading dims")
+    mask = E.src(n, indices[0])
+    rank = masked_rank(E, mask, E.shape(base)[:2], idx[:2], "index_put")
+    vshape = E.shape(values)
+    v = E.at(E.src(n, values), _bcast_to((rank,) + tuple(idx[2:]), vshape))
+    return _scatter_value(E, n, idx, base, [(boolean(E.at(mask, tuple(idx[:2]))), v)], accumulate)
 
 
 def _bcast_to(full, vshape):
