@@ -71,6 +71,10 @@ class Family(nn.Module):
             drop = F.dropout(F.linear(u * self._ln(attn), self.w.t(), self.b), p=0.1,
                              training=k.endswith("_train"))
             return x + drop
+        if k == "hand_written_ln":  # (a - mean) / sqrt(mean((a - mean)^2) + eps) * w + b
+            mean = attn.mean(-1, keepdim=True)
+            normed = (attn - mean) / torch.sqrt(((attn - mean) ** 2).mean(-1, keepdim=True) + 1e-6) * self.nw + self.nb
+            return x + F.linear(u * normed, self.w.t())
         if k == "addmm_scaled":
             return torch.addmm(x, u * self._ln(attn), self.w, beta=0.5)
         if k == "gn_transposed":  # groups of strided elements: not contiguous channel groups
@@ -111,6 +115,10 @@ class TestOutputFamilies(TestCase):
         for kind in ("gn_view", "gn_view_concat"):
             with self.subTest(kind):
                 check_compiled(_family(kind), *_inputs(), train=True, counts={"output": 1})
+
+    def test_layer_norm_by_hand(self):
+        self.assertEqual(self._spelling("hand_written_ln"), "u*layer_norm(hand-written)(attn) -> linear -> + x")
+        check_compiled(_family("hand_written_ln"), *_inputs(), train=True, counts={"output": 1})
 
     def test_eval_dropout_after_the_projection(self):
         """``x + dropout(out(y))`` in eval mode: the dropout is the identity, the residual adds the projection."""

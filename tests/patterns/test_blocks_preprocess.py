@@ -172,6 +172,16 @@ slice_tensor_2 = slice.Tensor(getitem_8, 1, 24, 32)""")
         check_compiled(m, _x(), train=True, counts={"preprocess": 1})
         check_compiled(m, _x(seed=1), train=False, counts={"preprocess": 1})
 
+    def test_layer_norm_by_hand(self):
+        """``b + w * ((x - mean) * rsqrt(var + eps))`` with a biased variance: the op's layer norm (the probe
+        checks the values; the unbiased variance is a near miss below)."""
+        m = Split(norm="by_hand")
+        with torch.no_grad():
+            m.ln.weight.normal_()
+            m.ln.bias.normal_()
+        self._graph(m, _x(), spelling="layer_norm(hand-written) -> linear+bias -> split -> silu(u)")
+        check_compiled(m, _x(), train=True, counts={"preprocess": 1})
+
     def test_slices_sigmoid(self):
         m = SlicesSigmoid()
         self.assertExpectedInline(self._graph(m, _x(), spelling="layer_norm -> linear -> slices -> x*sigmoid(x)(u)"),
@@ -307,6 +317,12 @@ class TestPreprocessBackwardModes(TestCase):
 class Split(nn.Module):
     """Configurable LN -> linear -> split -> activation, for near-miss variants."""
 
+    def _by_hand(self, x, unbiased):
+        """A layer norm written out (``rsqrt`` of the variance plus eps; ``unbiased``: not a layer norm)."""
+        mean = x.mean(-1, keepdim=True)
+        var = x.var(-1, keepdim=True, unbiased=unbiased)
+        return self.ln.bias + self.ln.weight * ((x - mean) * torch.rsqrt(var + 1e-5))
+
     def __init__(self, sizes=(HV, HV, HQ, HQ), silu_chunk=0, norm="ln", extra=None):
         super().__init__()
         self.sizes, self.silu_chunk, self.norm, self.extra = list(sizes), silu_chunk, norm, extra
@@ -316,7 +332,9 @@ class Split(nn.Module):
 
     def forward(self, x):
         n = {"ln": lambda: self.ln(x), "rms": lambda: self.rms(x),
-             "ln2d": lambda: F.layer_norm(x, x.shape)}[self.norm]()
+             "ln2d": lambda: F.layer_norm(x, x.shape),
+             "by_hand": lambda: self._by_hand(x, unbiased=False),
+             "by_hand_unbiased": lambda: self._by_hand(x, unbiased=True)}[self.norm]()
         uvqk = self.proj(n)
         parts = list(torch.split(uvqk, self.sizes, dim=-1))
         raw_u = parts[0]
@@ -343,6 +361,9 @@ class TestPreprocessNearMisses(TestCase):
     def test_no_silu(self):
         assert_near_miss(Split(silu_chunk=None), _x(), kind="preprocess",
                          contains="u (chunk 0) is not consumed only by silu(u)")
+
+    def test_layer_norm_by_hand_with_unbiased_variance(self):
+        assert_near_miss(Split(norm="by_hand_unbiased"), _x(), kind="preprocess", contains="numeric probe")
 
     def test_rms_norm(self):
         assert_near_miss(Split(norm="rms"), _x(), kind="preprocess", contains="is not a LayerNorm of x")

@@ -158,6 +158,22 @@ class MaskAssigned(_Layer):
         return out[keep.flatten()]
 
 
+class CumsumMask(_Layer):
+    """Causal mask from running counts of a ``[N, N]`` ones matrix, ``cumsum(1) <= cumsum(0)`` (``j + 1 <= i + 1``).
+    Near miss: ``<`` (a row never sees itself)."""
+
+    def attend(self, q, k, v, offsets):
+        L, B = q.shape[0], offsets.numel() - 1
+        seg, pos = self.rows(offsets, L)
+        ones = torch.ones(N, N)
+        mask = ones.cumsum(1) < ones.cumsum(0) if self.variant == "strict" else ones.cumsum(1) <= ones.cumsum(0)
+
+        def pad(t):
+            return torch.zeros(B, N, H * D).index_put((seg, pos), t).view(B, N, H, D)
+        p = F.silu(torch.einsum("bnhd,bmhd->bhnm", pad(q), pad(k)) / D ** 0.5) * mask / N
+        return torch.einsum("bhnm,bmhd->bnhd", p, pad(v))[seg, pos].reshape(L, H * D)
+
+
 def _inputs(seed=0, requires_grad=True):
     g = torch.Generator().manual_seed(seed)
     offsets = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist())
@@ -182,7 +198,7 @@ def _check(model, dynamic, attention):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("cls,heads", [(Reassociated, 1), (BufferMask, 1), (HeadLoop, H), (Packed, 1),
-                                       (BufferPositions, 1), (MaskAssigned, 1)])
+                                       (BufferPositions, 1), (MaskAssigned, 1), (CumsumMask, 1)])
 def test_rewritten_by_meaning(cls, heads, dynamic):
     _check(cls(), dynamic, heads)
 
@@ -194,7 +210,7 @@ def test_packed_window():
 
 @pytest.mark.parametrize("cls,variant", [(Reassociated, "off_by_one"), (HeadLoop, "off_by_one"),
                                          (Packed, "cross_sequence"), (BufferPositions, "clamped"),
-                                         (MaskAssigned, "shifted")])
+                                         (MaskAssigned, "shifted"), (CumsumMask, "strict")])
 def test_near_misses_by_meaning(cls, variant):
     """Declined (the pad reads the next row; the mask lets a row see the next one; rows see other
     sequences), and still equal to eager."""

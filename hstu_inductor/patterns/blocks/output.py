@@ -299,7 +299,7 @@ def _rewrite_output_with(graph, add, x, p, proj, report, seen=None) -> bool:
                 raise declined[0]
             if candidate:
                 raise Decline(f"{where}: neither factor of {_name(mul)} is a LayerNorm/GroupNorm of a 2-D "
-                              "tensor (RMSNorm or a hand-written norm is not fused)")
+                              "tensor (an RMSNorm, or a norm written out other than as a layer norm, is not fused)")
             return False
     except Decline:
         if not candidate:

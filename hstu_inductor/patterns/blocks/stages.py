@@ -90,9 +90,70 @@ def _norm_group_norm(n: Node, rowmajor: bool = False) -> Optional[tuple]:
     return core, inp, w, b, float(eps), G, 1, first
 
 
+def _vector(t) -> bool:
+    return isinstance(t, Node) and _tval(t) is not None and _tval(t).dim() == 1
+
+
+def _last_dim_mean(m: Node) -> Optional[Node]:
+    """``x`` when ``m`` is ``x.mean(-1, keepdim=True)`` of a 2-D ``x``."""
+    if not _is(m, aten.mean.dim) or len(m.args) < 3 or m.args[2] is not True:
+        return None
+    x, dims = m.args[0], m.args[1]
+    xv = _tval(x)
+    if xv is None or xv.dim() != 2 or list(dims) not in ([-1], [1]):
+        return None
+    return x
+
+
+def _standardised(c: Node) -> Optional[tuple]:
+    """``(x, eps, mean)`` when ``c`` is ``(x - mean) / sqrt(var + eps)`` or ``(x - mean) * rsqrt(var + eps)``
+    with ``mean = x.mean(-1, keepdim=True)`` (``var`` as the user wrote it: the probe checks the values)."""
+    if _is(c, aten.div.Tensor) and len(c.args) == 2:
+        pairs, root = [tuple(c.args)], aten.sqrt.default
+    elif _is(c, aten.mul.Tensor) and len(c.args) == 2:
+        pairs, root = [tuple(c.args), tuple(c.args[::-1])], aten.rsqrt.default
+    else:
+        return None
+    for d, r in pairs:
+        if not (isinstance(d, Node) and _is(d, aten.sub.Tensor) and isinstance(r, Node) and _is(r, root)):
+            continue
+        x, mean = d.args[0], d.args[1]
+        if not (isinstance(mean, Node) and _last_dim_mean(mean) is x):
+            continue
+        shifted = r.args[0]
+        if not (_is(shifted, aten.add.Tensor, aten.add.Scalar) and isinstance(shifted.args[1], (int, float))):
+            continue
+        return x, float(shifted.args[1]), mean
+    return None
+
+
+def _norm_hand_written(n: Node, rowmajor: bool = False) -> Optional[tuple]:
+    """A layer norm spelled out over the last dim of a 2-D tensor: ``(x - mean) / sqrt(var + eps) [* w] [+ b]``
+    (or ``* rsqrt(var + eps)``), either operand order. Matched by its shape; the block's probe then checks it
+    computes the op's layer norm (a biased variance, eps inside the root)."""
+    w = b = None
+    core = n
+    if _is(core, aten.add.Tensor) and len(core.args) == 2:
+        for inner, bias in (core.args, core.args[::-1]):
+            if _vector(bias) and isinstance(inner, Node) and not _vector(inner):
+                core, b = inner, bias
+                break
+    if _is(core, aten.mul.Tensor) and len(core.args) == 2:
+        for inner, weight in (core.args, core.args[::-1]):
+            if _vector(weight) and isinstance(inner, Node) and _standardised(inner) is not None:
+                core, w = inner, weight
+                break
+    found = _standardised(core)
+    if found is None:
+        return None
+    x, eps, mean = found
+    return core, x, w, b, eps, 0, 1, mean
+
+
 NORM_SPELLINGS: dict[str, Callable] = {
     "layer_norm": _norm_layer_norm,
     "group_norm": _norm_group_norm,
+    "layer_norm(hand-written)": _norm_hand_written,
 }
 
 

@@ -129,6 +129,11 @@ class Domain:
         depends on it fails, which is what makes reading it unsound-free."""
         return sympy.Symbol(f"opaque_{tag}_{next(self._count)}", integer=True)
 
+    @staticmethod
+    def has_opaque(e) -> bool:
+        """Whether ``e`` holds a value made by :meth:`opaque`."""
+        return isinstance(e, sympy.Basic) and any(s.name.startswith("opaque_") for s in e.free_symbols)
+
     def canon(self, e):
         """A coordinate whose range holds one value -> that value (a batch of one: ``b = 0``);
         ``off(b + 1)`` -> ``off(b) + n_b`` for the registered sequences; ``off(B)`` -> ``L``; ``off(0)`` -> 0."""

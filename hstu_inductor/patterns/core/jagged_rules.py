@@ -166,10 +166,17 @@ def _is_one_hot_histogram(E, node):
 def _cumsum(E, n, idx):
     a, dim = n.args[:2]
     shape = E.shape(a)
-    if len(shape) != 1:
-        raise Unsupported("cumsum of a tensor with several dims")
-    x = idx[0]
     src = E.src(n, a)
+    d = dim % len(shape)
+    y = E.dom.coord("cy", shape[d])
+    along = sympy.expand(num(E.at(src, tuple(y if k == d else x for k, x in enumerate(idx)))))
+    # the same modelled value c all along the dim (ones): c * (i + 1). An opaque element is no evidence of
+    # that (each read outside a rule's domain is its own unknown)
+    if y not in along.free_symbols and not E.dom.has_opaque(along):
+        return _cast(along * (idx[d] + 1), _dtype(n))
+    if len(shape) != 1:
+        raise Unsupported("cumsum of a tensor with several dims, not constant along the summed one")
+    x = idx[0]
     index = _is_one_hot_histogram(E, src)
     if index is not None:  # ones added at sequence starts: a running count of starts passed
         K = E.shape(index)[0]
