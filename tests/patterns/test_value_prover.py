@@ -174,6 +174,35 @@ class CumsumMask(_Layer):
         return torch.einsum("bhnm,bmhd->bnhd", p, pad(v))[seg, pos].reshape(L, H * D)
 
 
+class NonzeroRows(_Layer):
+    """Rows from ``nonzero`` of the padding mask: ``b, t = nonzero(valid, as_tuple=True)``, pad ``dense[b, t] = x``
+    and unpad ``out[b, t]``; variant ``flat``: pad ``dense[valid] = x``, unpad through ``nonzero`` of the flattened
+    mask. Near miss: the unpad's mask from the lengths rolled by one sequence. (A nonzero's row count is an
+    unbacked size: its rows are jagged rows where Dynamo's shape environment knows it equals ``L``, e.g. once
+    the unpad's rows meet the residual.)"""
+
+    def attend(self, q, k, v, offsets):
+        B = offsets.numel() - 1
+        lengths = offsets[1:] - offsets[:-1]
+        valid = torch.arange(N)[None, :] < lengths[:, None]
+        b, t = torch.nonzero(valid, as_tuple=True)
+
+        def pad(x):
+            dense = x.new_zeros(B, N, H * D)
+            if self.variant == "flat":
+                dense[valid] = x
+            else:
+                dense[b, t] = x
+            return dense.view(B, N, H, D)
+        p = F.silu(torch.einsum("bnhd,bmhd->bhnm", pad(q), pad(k)) / D ** 0.5) * torch.ones(N, N).tril() / N
+        out = torch.einsum("bhnm,bmhd->bnhd", p, pad(v)).reshape(B, N, H * D)
+        if self.variant == "flat":
+            return out.reshape(B * N, H * D)[torch.nonzero(valid.flatten()).squeeze(1)]
+        if self.variant == "shifted":
+            b, t = torch.nonzero(torch.arange(N)[None, :] < lengths.roll(1)[:, None], as_tuple=True)
+        return out[b, t]
+
+
 def _inputs(seed=0, requires_grad=True):
     g = torch.Generator().manual_seed(seed)
     offsets = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist())
@@ -198,9 +227,13 @@ def _check(model, dynamic, attention):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("cls,heads", [(Reassociated, 1), (BufferMask, 1), (HeadLoop, H), (Packed, 1),
-                                       (BufferPositions, 1), (MaskAssigned, 1), (CumsumMask, 1)])
+                                       (BufferPositions, 1), (MaskAssigned, 1), (CumsumMask, 1), (NonzeroRows, 1)])
 def test_rewritten_by_meaning(cls, heads, dynamic):
     _check(cls(), dynamic, heads)
+
+
+def test_nonzero_of_the_flattened_mask():
+    _check(NonzeroRows("flat"), True, 1)
 
 
 def test_packed_window():
@@ -210,7 +243,8 @@ def test_packed_window():
 
 @pytest.mark.parametrize("cls,variant", [(Reassociated, "off_by_one"), (HeadLoop, "off_by_one"),
                                          (Packed, "cross_sequence"), (BufferPositions, "clamped"),
-                                         (MaskAssigned, "shifted"), (CumsumMask, "strict")])
+                                         (MaskAssigned, "shifted"), (CumsumMask, "strict"),
+                                         (NonzeroRows, "shifted")])
 def test_near_misses_by_meaning(cls, variant):
     """Declined (the pad reads the next row; the mask lets a row see the next one; rows see other
     sequences), and still equal to eager."""

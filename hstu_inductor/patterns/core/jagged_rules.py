@@ -399,16 +399,12 @@ def _index_or_mask(E, n, idx):
     return _index(E, n, idx)
 
 
-def bool_index(E, n, idx):
-    """``dense[mask]`` for the padding mask over the two leading dims: row ``off(b) + p`` is
-    ``dense[b, p]``."""
-    a, indices = n.args[:2]
-    if len(indices) != 1:
-        raise Unsupported("boolean index with other indices")
-    mask = indices[0]
-    mshape = E.shape(mask)
+def padding_mask_layout(E, mask, mshape, what):
+    """How a padding mask ``p < n_b`` over ``[B, W]`` (or flattened, ``[B * W]``) addresses slot ``(b, p)``:
+    ``at(b, p)`` gives the mask's index tuple. Its true elements in row-major order are then the jagged rows:
+    the one of rank ``off(b) + p`` is ``at(b, p)``. Unsupported for any other mask."""
     if len(mshape) not in (1, 2):
-        raise Unsupported("boolean index over other than two dims, or their flattening")
+        raise Unsupported(f"{what} over other than two dims, or their flattening")
     b = E.dom.sequence("ib")
     if len(mshape) == 2:
         p = E.dom.coord("ip", mshape[1])
@@ -416,17 +412,42 @@ def bool_index(E, n, idx):
     else:  # dense [B*W, ...] and its mask flattened alike: element b*W + p is (b, p)
         width = sympy.simplify(sympy.sympify(mshape[0]) / E.dom.B)
         if not (width.is_integer or (width.is_Symbol and width.is_positive)):
-            raise Unsupported(f"flat boolean index over {mshape[0]} elements: not B rows of one width")
+            raise Unsupported(f"flat {what} over {mshape[0]} elements: not B rows of one width")
         p = E.dom.coord("ip", width)
         at = lambda b, p: (b * width + p,)  # noqa: E731
-    m = E.at(E.src(n, mask), at(b, p))
+    m = E.at(mask, at(b, p))
     ok, _ = equal(E.dom, boolean(m), sympy.Lt(p, E.dom.length(b)))
     if not ok:
-        raise Unsupported(f"boolean index with a mask other than the padding mask ({m})")
+        raise Unsupported(f"{what} with a mask other than the padding mask ({m})")
+    return at
+
+
+def bool_index(E, n, idx):
+    """``dense[mask]`` for the padding mask over the two leading dims (or their flattening): row ``off(b) + p``
+    is ``dense[b, p]``."""
+    a, indices = n.args[:2]
+    if len(indices) != 1:
+        raise Unsupported("boolean index with other indices")
+    mask = indices[0]
+    at = padding_mask_layout(E, E.src(n, mask), E.shape(mask), "boolean index")
     row = E.dom.guarded_row(idx[0])
     if row is None:
         raise Unsupported("boolean-mask unpad read at something other than a jagged row")
     return _guard(E, row[2], E.at(E.src(n, a), at(row[0], row[1]) + tuple(idx[1:])), "unpad")
+
+
+@rule(_op("nonzero"))
+def _nonzero(E, n, idx):
+    """``nonzero(mask)`` of a padding mask: its row ``off(b) + p`` holds the index of slot ``(b, p)`` (a row
+    count equal to ``L`` is what makes its rows jagged rows: the shape environment must know it)."""
+    mask = n.args[0]
+    at = padding_mask_layout(E, E.src(n, mask), E.shape(mask), "nonzero")
+    row = E.dom.guarded_row(idx[0])
+    if row is None:
+        raise Unsupported("nonzero read at something other than a jagged row (its row count not known to be L)")
+    coords = at(row[0], row[1])
+    value = coords[0] if len(coords) == 1 else select(sympy.Eq(idx[1], 0), coords[0], coords[1])
+    return _guard(E, row[2], value, "nonzero")
 
 
 # ---------------------------------------------------------------------------------------------
