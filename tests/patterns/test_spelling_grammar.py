@@ -105,6 +105,7 @@ SAMPLE = [
     (10019, "compile_one"),  # a batch of one: the per-row attn_scale read at off(0) + i = i
     (11006, "compile_static"),  # a row scale gathered at min(off(b) + i, L - 1): the row itself in-sequence
     (12002, "compile_dynamic"),  # the same clamp inside the score chain (scale before p @ v)
+    (14006, "fake_static"),  # row ids from a cumsum of ones scattered at the offsets (read as a count, not summed)
 ]
 GRADS = {(34, "compile_static")}
 

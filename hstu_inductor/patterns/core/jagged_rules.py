@@ -167,6 +167,18 @@ def _cumsum(E, n, idx):
     a, dim = n.args[:2]
     shape = E.shape(a)
     src = E.src(n, a)
+    if len(shape) == 1:
+        x = idx[0]
+        index = _is_one_hot_histogram(E, src)
+        if index is not None:  # ones added at sequence starts: a running count of starts passed
+            K = E.shape(index)[0]
+            return _cast(count_le(E, lambda k: E.at(index, (k,)), K, x, "cumsum of one-hot starts"), _dtype(n))
+        y = E.dom.coord("y", shape[0])
+        e = sympy.expand(E.dom.canon(num(E.at(src, (y,)))))
+        t = _lengths_form(E, e, y)
+        if t is not None:
+            c1, c0 = t  # e(y) = off(y + c1) - off(y + c0), c1 = c0 + 1
+            return _cast(off(x + c1) - off(c0), _dtype(n))
     d = dim % len(shape)
     y = E.dom.coord("cy", shape[d])
     along = sympy.expand(num(E.at(src, tuple(y if k == d else x for k, x in enumerate(idx)))))
@@ -174,20 +186,8 @@ def _cumsum(E, n, idx):
     # that (each read outside a rule's domain is its own unknown)
     if y not in along.free_symbols and not E.dom.has_opaque(along):
         return _cast(along * (idx[d] + 1), _dtype(n))
-    if len(shape) != 1:
-        raise Unsupported("cumsum of a tensor with several dims, not constant along the summed one")
-    x = idx[0]
-    index = _is_one_hot_histogram(E, src)
-    if index is not None:  # ones added at sequence starts: a running count of starts passed
-        K = E.shape(index)[0]
-        return _cast(count_le(E, lambda k: E.at(index, (k,)), K, x, "cumsum of one-hot starts"), _dtype(n))
-    y = E.dom.coord("y", shape[0])
-    e = sympy.expand(E.dom.canon(num(E.at(src, (y,)))))
-    t = _lengths_form(E, e, y)
-    if t is None:
-        raise Unsupported(f"cumsum of {e} (only lengths and one-hot starts are modelled)")
-    c1, c0 = t  # e(y) = off(y + c1) - off(y + c0), c1 = c0 + 1
-    return _cast(off(x + c1) - off(c0), _dtype(n))
+    raise Unsupported(f"cumsum of {along} (only lengths, one-hot starts and values constant along the dim are "
+                      "modelled)")
 
 
 def _lengths_form(E, e, y):
