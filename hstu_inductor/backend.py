@@ -209,7 +209,7 @@ def _rewritten(gm: torch.fx.GraphModule, module_state: dict | None = None) -> to
 def _keep_dynamo_inputs(gm: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> None:
     """Give the ATen retrace the Dynamo input metadata of ``gm``: without it AOTAutograd does not
     recognise a Dynamo graph and marks no input static, so CUDA graphs copy every parameter into its
-    static buffer on each replay (six more copies than stock Inductor per STU layer). Skipped when the
+    static buffer on each replay (benchmarks/cudagraph_step.py). Skipped when the
     retrace holds buffers of its own (a table rewrite's bucket bounds), which have no Dynamo source."""
     own = [name for name, _ in itertools.chain(rewritten.named_parameters(), rewritten.named_buffers())]
     known = getattr(gm, "_param_name_to_source", None) or {}

@@ -407,14 +407,17 @@ def padding_mask_layout(E, mask, mshape, what):
         raise Unsupported(f"{what} over other than two dims, or their flattening")
     b = E.dom.sequence("ib")
     if len(mshape) == 2:
-        p = E.dom.coord("ip", mshape[1])
+        width = sympy.sympify(mshape[1])
         at = lambda b, p: (b, p)  # noqa: E731
     else:  # dense [B*W, ...] and its mask flattened alike: element b*W + p is (b, p)
         width = sympy.simplify(sympy.sympify(mshape[0]) / E.dom.B)
         if not (width.is_integer or (width.is_Symbol and width.is_positive)):
             raise Unsupported(f"flat {what} over {mshape[0]} elements: not B rows of one width")
-        p = E.dom.coord("ip", width)
         at = lambda b, p: (b * width + p,)  # noqa: E731
+    # every sequence's rows fit in a mask row (n_b <= N <= W): only then are the ranks the jagged rows
+    if not E.dom.known(sympy.Ge(width, E.dom.N)):
+        raise Unsupported(f"{what} over rows of width {width}, not known to hold max_seq_len {E.dom.N}")
+    p = E.dom.coord("ip", width)
     m = E.at(mask, at(b, p))
     ok, _ = equal(E.dom, boolean(m), sympy.Lt(p, E.dom.length(b)))
     if not ok:
