@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode  # plain_eag
 
 __all__ = ["graph_fake_mode", "trace_aten", "compile_fx", "aot_eager", "mode_options", "guarded", "plain_eager",
            "njt_view_target", "is_njt", "size_hint", "shape_env_hints", "specialize_ints", "install_ddp_pre_split",
-           "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "unwrap_backend", "promoted_float_inputs",
+           "ddp_pre_split_status", "carry_dynamo_placeholder_meta", "synthetic_source", "unwrap_backend", "promoted_float_inputs",
            "compile_reason", "capture_graph_break_logs", "install_frame_config", "install_exact_int_rounding",
            "no_fake_mode", "dynamo_control_flow"]
 
@@ -385,6 +385,14 @@ def promoted_float_inputs(dynamo_gm: torch.fx.GraphModule) -> dict:
         source = getattr(ga, "source", None)
         out[i] = (float(ex), source.name() if callable(getattr(source, "name", None)) else p.name)
     return out
+
+
+def synthetic_source(name: str):
+    """A Dynamo source for a tensor a rewrite added to a graph (it has no origin in user code), so that
+    AOTAutograd reads the graph's own buffers like the module's: lifted, static inputs."""
+    from torch._dynamo.source import ConstantSource
+
+    return ConstantSource(name)
 
 
 def carry_dynamo_placeholder_meta(src: torch.fx.GraphModule, dst: torch.fx.GraphModule) -> bool:

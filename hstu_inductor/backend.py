@@ -209,12 +209,16 @@ def _rewritten(gm: torch.fx.GraphModule, module_state: dict | None = None) -> to
 def _keep_dynamo_inputs(gm: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> None:
     """Give the ATen retrace the Dynamo input metadata of ``gm``: without it AOTAutograd does not
     recognise a Dynamo graph and marks no input static, so CUDA graphs copy every parameter into its
-    static buffer on each replay (benchmarks/cudagraph_step.py). Skipped when the
-    retrace holds buffers of its own (a table rewrite's bucket bounds), which have no Dynamo source."""
+    static buffer on each replay (benchmarks/cudagraph_step.py). The retrace's own buffers (a table
+    rewrite's bucket bounds) get sources of their own."""
+    known = getattr(gm, "_param_name_to_source", None)
+    if not _compat.carry_dynamo_placeholder_meta(gm, rewritten):
+        log.debug("hstu_inductor: the ATen retrace changed the graph inputs; no Dynamo input metadata kept")
+        return
     own = [name for name, _ in itertools.chain(rewritten.named_parameters(), rewritten.named_buffers())]
-    known = getattr(gm, "_param_name_to_source", None) or {}
-    if any(name not in known for name in own) or not _compat.carry_dynamo_placeholder_meta(gm, rewritten):
-        log.debug("hstu_inductor: rewritten graph keeps no Dynamo input metadata (inputs changed, or own buffers)")
+    if known is not None and any(name not in known for name in own):
+        rewritten._param_name_to_source = {**known, **{name: _compat.synthetic_source(f"hstu_rewrite.{name}")
+                                                      for name in own if name not in known}}
 
 
 _state = threading.local()

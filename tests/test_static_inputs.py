@@ -38,3 +38,28 @@ def test_parameters_stay_static_inputs(train):
     params = len(list(small_hstu_model().parameters()))
     assert stock and stock[0] and len(stock[0]) >= params, stock
     assert ours and ours[0] == stock[0], (ours, stock)
+
+
+def test_table_rewrite_buffers_are_static_inputs_too():
+    """A table rewrite adds a buffer of its own (the bucket bounds): it is lifted as a static input beside the
+    module's parameters, which stay static."""
+    import sys
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "patterns"))
+    from test_attention_rab_tables import LENGTHS, TableBias, make_args
+    from hstu_inductor.report import collecting
+
+    found = []
+
+    def probe(graph):
+        found.append(sorted(torch._guards.TracingContext.try_get().fw_metadata.static_input_indices))
+
+    torch._dynamo.reset()
+    model = TableBias("original", nb=128)
+    args = make_args(LENGTHS, 0, "original", requires_grad=True)
+    with collecting() as report:
+        torch.compile(model, backend="hstu", options={"post_grad_custom_post_pass": probe})(*args)
+    assert report.counts["attention"] == 1 and all("tables:" in d for _, d in report.details), report
+    # pos_w, ts_w and the bounds buffer
+    assert found and len(found[0]) >= 3, found
