@@ -203,6 +203,23 @@ class NonzeroRows(_Layer):
         return out[b, t]
 
 
+class IndicesMask(_Layer):
+    """Causal mask set through ``m[tuple(torch.tril_indices(N, N))] = True``. Near miss: ``triu_indices`` with
+    offset 1 (a row sees only later keys)."""
+
+    def attend(self, q, k, v, offsets):
+        L, B = q.shape[0], offsets.numel() - 1
+        seg, pos = self.rows(offsets, L)
+        mask = torch.zeros(N, N, dtype=torch.bool)
+        pairs = torch.triu_indices(N, N, 1) if self.variant == "upper" else torch.tril_indices(N, N)
+        mask[tuple(pairs)] = True
+
+        def pad(t):
+            return torch.zeros(B, N, H * D).index_put((seg, pos), t).view(B, N, H, D)
+        p = torch.where(mask, F.silu(torch.einsum("bnhd,bmhd->bhnm", pad(q), pad(k)) / D ** 0.5), 0.0) / N
+        return torch.einsum("bhnm,bmhd->bnhd", p, pad(v))[seg, pos].reshape(L, H * D)
+
+
 def _inputs(seed=0, requires_grad=True):
     g = torch.Generator().manual_seed(seed)
     offsets = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist())
@@ -227,7 +244,8 @@ def _check(model, dynamic, attention):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("cls,heads", [(Reassociated, 1), (BufferMask, 1), (HeadLoop, H), (Packed, 1),
-                                       (BufferPositions, 1), (MaskAssigned, 1), (CumsumMask, 1), (NonzeroRows, 1)])
+                                       (BufferPositions, 1), (MaskAssigned, 1), (CumsumMask, 1), (NonzeroRows, 1),
+                                       (IndicesMask, 1)])
 def test_rewritten_by_meaning(cls, heads, dynamic):
     _check(cls(), dynamic, heads)
 
@@ -244,7 +262,7 @@ def test_packed_window():
 @pytest.mark.parametrize("cls,variant", [(Reassociated, "off_by_one"), (HeadLoop, "off_by_one"),
                                          (Packed, "cross_sequence"), (BufferPositions, "clamped"),
                                          (MaskAssigned, "shifted"), (CumsumMask, "strict"),
-                                         (NonzeroRows, "shifted")])
+                                         (NonzeroRows, "shifted"), (IndicesMask, "upper")])
 def test_near_misses_by_meaning(cls, variant):
     """Declined (the pad reads the next row; the mask lets a row see the next one; rows see other
     sequences), and still equal to eager."""

@@ -563,6 +563,9 @@ def _index_put(E, n, idx):
     adv = [k for k, t in enumerate(indices) if t is not None]
     if any(_dtype(indices[k]) in (torch.bool, torch.uint8) for k in adv):
         return _bool_index_put(E, n, idx, base, indices, adv, values, accumulate)
+    triangle = _triangle_written(E, n, idx, indices, adv, values)
+    if triangle is not None:
+        return _scatter_value(E, n, idx, base, [triangle], accumulate)
     if adv != list(range(adv[0], adv[-1] + 1)):
         raise Unsupported("index_put with non-adjacent index tensors")
     ishape = _broadcast_shape([E.shape(indices[k]) for k in adv])
@@ -581,6 +584,35 @@ def _index_put(E, n, idx):
     v = E.at(E.src(n, values), _bcast_to(full, vshape))
     _ = rest_out
     return _scatter_value(E, n, idx, base, [(cond, v)], accumulate)
+
+
+def _triangle_written(E, n, idx, indices, adv, values):
+    """``m[tuple(torch.tril_indices(R, C, o))] = v`` (or ``triu_indices``) with one value ``v`` for every write:
+    ``(cond, v)``, the element ``(a, c)`` written exactly when ``c - a <= o`` (``>= o``), ``a < R``, ``c < C``.
+    The rows of ``tril_indices`` list each such pair once, so the writes need no inversion. None when the
+    indices are not the two rows of one such node."""
+    if len(adv) != 2:
+        return None
+    rows = []
+    for k in adv:
+        t = indices[k]
+        if not (isinstance(t, torch.fx.Node) and t.target is aten.select.int and t.args[1] == 0):
+            return None
+        rows.append((t.args[0], t.args[2]))
+    (tri, r0), (tri1, r1) = rows
+    if tri is not tri1 or (r0, r1) != (0, 1) or tri.target not in (aten.tril_indices.default, aten.triu_indices.default):
+        return None
+    R, C = tri.args[:2]
+    o = tri.args[2] if len(tri.args) > 2 else tri.kwargs.get("offset", 0)
+    if not all(isinstance(x, int) for x in (R, C, o)):
+        return None
+    if any(s != 1 for s in E.shape(values)):
+        return None  # one value per write (a scalar), else which write holds which value needs the ranks
+    a, c = idx[adv[0]], idx[adv[1]]
+    side = sympy.Le(c - a, o) if tri.target is aten.tril_indices.default else sympy.Ge(c - a, o)
+    cond = sympy.And(side, sympy.Lt(a, R), sympy.Lt(c, C))
+    v = E.at(E.src(n, values), tuple(sympy.Integer(0) for _ in E.shape(values)))
+    return cond, v
 
 
 def _bool_index_put(E, n, idx, base, indices, adv, values, accumulate):
