@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 import never_slower as ns  # noqa: E402
+import never_slower_models as nm  # noqa: E402
 
 B, N, H, D = 2, 16, 2, 8
 E = H * D
@@ -24,39 +25,39 @@ def test_auto_picks():
     from hstu_inductor.testing.grammar import sample
     from hstu_inductor.testing.metamorphic import TRANSFORMS
 
-    models = ns.resolve_models(SPECS[1:])
+    models = nm.resolve_models(SPECS[1:])
     assert [m.kind for m in models] == ["grammar"] * 3 + ["metamorphic"] * 2
-    assert ns.resolve_models(SPECS[1:]) == models
+    assert nm.resolve_models(SPECS[1:]) == models
     for m in models:
         s = sample(m.seed)
         assert s.expected_hstu and s.differentiable, m.spec
     grammar_forms = [m.form for m in models[:3]]
-    assert sum(f in ns.LAYER_FORMS for f in grammar_forms) >= 2, grammar_forms
+    assert sum(f in nm.LAYER_FORMS for f in grammar_forms) >= 2, grammar_forms
     assert {m.seed for m in models[:3]}.isdisjoint(m.seed for m in models[3:])
     assert set().union(*(m.transforms for m in models[3:])) == set(TRANSFORMS)
     assert all(len(m.transforms) >= 2 for m in models[3:])
 
 
 def test_explicit_specs():
-    (m,) = ns.resolve_models(["metamorphic:7:inplace+reassoc"])
+    (m,) = nm.resolve_models(["metamorphic:7:inplace+reassoc"])
     assert (m.kind, m.seed, m.transforms) == ("metamorphic", 7, ("inplace", "reassoc"))
     for bad in ("grammar", "metamorphic:7", "metamorphic:7:sizes_coincide", "stu"):
         with pytest.raises(ValueError):
-            ns.resolve_models([bad])
+            nm.resolve_models([bad])
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_models_run_eagerly_on_cpu(spec):
-    L = sum(ns.seq_lengths(B, N, ns.input_seed(B, N)))
-    for m in ns.resolve_models([spec]):
-        module = ns.build_model(m, N, H, D, E, "cpu")
-        args = ns.make_inputs(m, B, N, H, D, E, "cpu")
+    L = sum(nm.seq_lengths(B, N, nm.input_seed(B, N)))
+    for m in nm.resolve_models([spec]):
+        module = nm.build_model(m, N, H, D, E, "cpu")
+        args = nm.make_inputs(m, B, N, H, D, E, "cpu")
         with torch.no_grad():
-            out = ns.first_output(module(*args))
-        assert out.shape == ns.output_shape(m, L, H, D, E), m.spec
+            out = nm.first_output(module(*args))
+        assert out.shape == nm.output_shape(m, L, H, D, E), m.spec
         assert out.dtype == m.dtype and torch.isfinite(out.float()).all(), m.spec
-        train_args = ns.make_inputs(m, B, N, H, D, E, "cpu", requires_grad=True)
-        grads = ns.step_fn(module, module, "train", train_args, torch.ones_like(out))()
+        train_args = nm.make_inputs(m, B, N, H, D, E, "cpu", requires_grad=True)
+        grads = nm.step_fn(module, module, "train", train_args, torch.ones_like(out))()
         assert len(grads) > len(list(module.parameters())), m.spec  # the inputs' gradients too
         assert all(torch.isfinite(g.float()).all() for g in grads), m.spec
 
