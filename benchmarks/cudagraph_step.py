@@ -24,15 +24,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def batch(B, N, E):
-    g = torch.Generator().manual_seed(B * 7919 + N)
-    lengths = torch.randint(max(1, int(0.9 * N)), N + 1, (B,), generator=g)
-    off = torch.zeros(B + 1, dtype=torch.int64)
-    off[1:] = lengths.cumsum(0)
-    nt = torch.minimum(torch.randint(1, 21, (B,), generator=g), lengths)
-    return torch.randn(int(off[-1]), E, generator=g).to("cuda", torch.bfloat16), off.cuda(), nt.cuda()
+from never_slower_models import input_seed, make_batch  # noqa: E402  (the same batches as never_slower.py)
 
 
 def measure(f, args, mode):
@@ -84,7 +78,7 @@ def main():
     layer = STULayer(E, H, D, D).to("cuda", torch.bfloat16).eval()
     for size in args.sizes:
         B, N = (int(x) for x in size.split("x"))
-        x, off, nt = batch(B, N, E)
+        x, off, nt = make_batch(B, N, E, seed=input_seed(B, N))
         for mode in args.modes:
             for prov in ("inductor", "hstu"):
                 torch._dynamo.reset()
