@@ -100,7 +100,7 @@ def _last_dim_mean(m: Node) -> Optional[Node]:
         return None
     x, dims = m.args[0], m.args[1]
     xv = _tval(x)
-    if xv is None or xv.dim() != 2 or list(dims) not in ([-1], [1]):
+    if xv is None or xv.dim() != 2 or len(dims) != 1 or not _last_dim(dims[0], xv):
         return None
     return x
 

@@ -168,20 +168,20 @@ def _cumsum(E, n, idx):
     shape = E.shape(a)
     src = E.src(n, a)
     if len(shape) == 1:
-        x = idx[0]
+        # read as a histogram before any element is: evaluating ones scattered at the offsets as values
+        # asks for an inversion that fails
         index = _is_one_hot_histogram(E, src)
         if index is not None:  # ones added at sequence starts: a running count of starts passed
             K = E.shape(index)[0]
-            return _cast(count_le(E, lambda k: E.at(index, (k,)), K, x, "cumsum of one-hot starts"), _dtype(n))
-        y = E.dom.coord("y", shape[0])
-        e = sympy.expand(E.dom.canon(num(E.at(src, (y,)))))
-        t = _lengths_form(E, e, y)
-        if t is not None:
-            c1, c0 = t  # e(y) = off(y + c1) - off(y + c0), c1 = c0 + 1
-            return _cast(off(x + c1) - off(c0), _dtype(n))
+            return _cast(count_le(E, lambda k: E.at(index, (k,)), K, idx[0], "cumsum of one-hot starts"),
+                         _dtype(n))
     d = dim % len(shape)
-    y = E.dom.coord("cy", shape[d])
-    along = sympy.expand(num(E.at(src, tuple(y if k == d else x for k, x in enumerate(idx)))))
+    y = E.dom.coord("y", shape[d])
+    along = sympy.expand(E.dom.canon(num(E.at(src, tuple(y if k == d else x for k, x in enumerate(idx))))))
+    t = _lengths_form(E, along, y) if len(shape) == 1 else None
+    if t is not None:
+        c1, c0 = t  # e(y) = off(y + c1) - off(y + c0), c1 = c0 + 1
+        return _cast(off(idx[0] + c1) - off(c0), _dtype(n))
     # the same modelled value c all along the dim (ones): c * (i + 1). An opaque element is no evidence of
     # that (each read outside a rule's domain is its own unknown)
     if y not in along.free_symbols and not E.dom.has_opaque(along):
@@ -373,12 +373,12 @@ def _known_true(E, c) -> bool:
     return False
 
 
-def masked_rank(E, mask, shape, idx, what="masked_scatter"):
+def masked_rank(E, mask, shape, idx):
     """Row-major rank of ``idx`` among the true elements of ``mask`` broadcast to ``shape``, for the
     padding mask ``x1 < n(x0)`` (over dims 0, 1, broadcast along the rest)."""
     mshape = E.shape(mask)
     if len(shape) < 2:
-        raise Unsupported(f"{what} with a 1-D mask")
+        raise Unsupported("masked_scatter with a 1-D mask")
     b = E.dom.sequence("mb")
     p = E.dom.coord("mp", shape[1])
     rest = tuple(E.dom.coord("mr", s) for s in shape[2:])
@@ -386,7 +386,7 @@ def masked_rank(E, mask, shape, idx, what="masked_scatter"):
     m = E.at(mask, tuple(sympy.Integer(0) if s == 1 else x for s, x in zip(mshape, full[len(full) - len(mshape):])))
     ok, _ = equal(E.dom, boolean(m), sympy.Lt(p, E.dom.length(b)))
     if not ok:
-        raise Unsupported(f"{what} with a mask other than the padding mask ({m})")
+        raise Unsupported(f"masked_scatter with a mask other than the padding mask ({m})")
     T = sympy.Mul(*shape[2:]) if len(shape) > 2 else sympy.Integer(1)
     return sympy.expand(off(idx[0]) * T + idx[1] * T + linear(idx[2:], shape[2:]))
 
@@ -621,9 +621,9 @@ def _bool_index_put(E, n, idx, base, indices, adv, values, accumulate):
     if adv != [0] or len(E.shape(indices[0])) != 2:
         raise Unsupported("index_put with a boolean mask other than one over the two leading dims")
     mask = E.src(n, indices[0])
-    rank = masked_rank(E, mask, E.shape(base)[:2], idx[:2], "index_put")
-    vshape = E.shape(values)
-    v = E.at(E.src(n, values), _bcast_to((rank,) + tuple(idx[2:]), vshape))
+    padding_mask_layout(E, mask, E.shape(indices[0]), "boolean-mask index_put")
+    rank = off(idx[0]) + idx[1]
+    v = E.at(E.src(n, values), _bcast_to((rank,) + tuple(idx[2:]), E.shape(values)))
     return _scatter_value(E, n, idx, base, [(boolean(E.at(mask, tuple(idx[:2]))), v)], accumulate)
 
 
